@@ -1,0 +1,244 @@
+"""Attention with PoPE or RoPE, shaped like `jax.nn.dot_product_attention`.
+
+Public API: `pope_attention`, `rope_attention`, and the reference `dot_product_attention_reference`.
+Each op dispatches on `implementation=`: "xla" is the reference (float32 math, materialised
+scores); "pallas" (PoPE only) is the fused Mosaic GPU kernel in `pallas_kernels`, imported lazily so a
+CPU-only install imports fine. `implementation=None` picks the fastest correct path for the platform.
+
+Shape letters: B batch, T query length, S key length, N query heads, K kv heads (N % K == 0),
+H q/k head dim, V value head dim.
+
+Causal masking is by absolute position: key s is visible to query t iff k_pos[s] <= q_pos[t].
+Positions default to arange(S) for keys and S - T + arange(T) for queries, so with T < S the
+queries are the last T positions (bottom-right aligned, as KV-cache decoding needs). A query row
+with no visible key returns zeros (never NaN) and has finite gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from pope_jax import encodings
+
+Array = jax.Array
+
+
+def default_positions(q_len: int, k_len: int) -> tuple[Array, Array]:
+  """Default (q_positions [T], k_positions [S]) int32: queries are the last T of S positions."""
+  k_pos = jnp.arange(k_len, dtype=jnp.int32)
+  return k_pos[k_len - q_len:] if q_len <= k_len else jnp.arange(q_len, dtype=jnp.int32), k_pos
+
+
+def attention_mask(
+    q_positions: Array, k_positions: Array, *, is_causal: bool, k_valid: Array | None = None
+) -> Array | None:
+  """Boolean mask [B|1, T, S]: True where query t may attend to key s.
+
+  Args:
+    q_positions: [T] or [B, T] int.
+    k_positions: [S] or [B, S] int.
+    is_causal: mask keys whose position exceeds the query's.
+    k_valid: optional [B, S] bool, False for padding keys.
+  """
+  mask = None
+  if is_causal:
+    qp = q_positions if q_positions.ndim == 2 else q_positions[None]
+    kp = k_positions if k_positions.ndim == 2 else k_positions[None]
+    mask = kp[:, None, :] <= qp[:, :, None]
+  if k_valid is not None:
+    valid = k_valid[:, None, :]
+    mask = valid if mask is None else mask & valid
+  return mask
+
+
+def _check_qkv(q: Array, k: Array, v: Array) -> None:
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(
+        f"query, key, value must be [B, T, N, H], [B, S, K, H], [B, S, K, V]; got shapes "
+        f"{q.shape}, {k.shape}, {v.shape}")
+  if k.shape[:3] != v.shape[:3]:
+    raise ValueError(f"key {k.shape} and value {v.shape} must agree on [B, S, K]")
+  if q.shape[0] != k.shape[0]:
+    raise ValueError(f"query batch {q.shape[0]} != key batch {k.shape[0]}")
+  if q.shape[2] % k.shape[2]:
+    raise ValueError(f"query heads {q.shape[2]} must be a multiple of kv heads {k.shape[2]}")
+
+
+def dot_product_attention_reference(
+    q: Array, k: Array, v: Array, *, scale: float, mask: Array | None = None
+) -> Array:
+  """Softmax attention with materialised scores, float32 inside (the reference for every kernel).
+
+  Args:
+    q: [B, T, N, H]; k: [B, S, K, H]; v: [B, S, K, V]; N % K == 0 (GQA).
+    scale: logit scale.
+    mask: None or bool broadcastable to [B, T, S] (True = visible).
+
+  Returns:
+    [B, T, N, V] float32. Rows with no visible key are zero.
+  """
+  _check_qkv(q, k, v)
+  b, t, n, _ = q.shape
+  kh = k.shape[2]
+  qg = q.astype(jnp.float32).reshape(b, t, kh, n // kh, q.shape[-1])
+  logits = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32)) * scale
+  if mask is None:
+    probs = jax.nn.softmax(logits, axis=-1)
+  else:
+    m = jnp.broadcast_to(mask, (b, t, k.shape[1]))[:, None, None]
+    probs = jax.nn.softmax(jnp.where(m, logits, -1e30), axis=-1) * m
+  out = jnp.einsum("bkgts,bskv->btkgv", probs, v.astype(jnp.float32))
+  return out.reshape(b, t, n, v.shape[-1])
+
+
+def _positions(q: Array, k: Array, q_positions, k_positions) -> tuple[Array, Array]:
+  dq, dk = default_positions(q.shape[1], k.shape[1])
+  q_pos = dq if q_positions is None else jnp.asarray(q_positions)
+  k_pos = dk if k_positions is None else jnp.asarray(k_positions)
+  for name, pos, length in (("q_positions", q_pos, q.shape[1]), ("k_positions", k_pos, k.shape[1])):
+    if pos.shape[-1] != length or pos.ndim not in (1, 2):
+      raise ValueError(f"{name} must have shape [{length}] or [B, {length}], got {pos.shape}")
+  return q_pos, k_pos
+
+
+def _pope_xla(q, k, v, delta, *, base, is_causal, q_positions, k_positions, scale, multiplier):
+  mask = attention_mask(q_positions, k_positions, is_causal=is_causal)
+  # δ enters the query phase with opposite sign: cos(sθ - (tθ - δ)) = cos((s - t)θ + δ), the same
+  # score as the paper's key-side bias, and it lets every query head of a GQA group keep its own δ.
+  q_bias = None if delta is None else -encodings.clamp_phase_bias(_check_delta(delta, q))
+  qc = encodings.pope_cartesian(q, q_positions, base=base, phase=q_bias, multiplier=multiplier)
+  kmult = _kv_multiplier(multiplier, q.shape[2], k.shape[2])
+  kc = encodings.pope_cartesian(k, k_positions, base=base, multiplier=kmult)
+  return dot_product_attention_reference(qc, kc, v, scale=scale, mask=mask)
+
+
+def _check_delta(delta: Array, q: Array) -> Array:
+  if delta.shape != q.shape[2:]:
+    raise ValueError(
+        f"delta must have shape [num_heads, head_dim] = {tuple(q.shape[2:])}, got {delta.shape}")
+  return delta.astype(jnp.float32)
+
+
+def _pope_pallas(q, k, v, delta, *, base, is_causal, q_positions, k_positions, scale, multiplier):
+  from pallas_kernels import pope_attention as kernel  # Lazy: GPU-only dependency chain.
+  if multiplier is not None:
+    raise NotImplementedError("implementation='pallas' does not take a frequency multiplier yet")
+  return kernel.pope_attention(
+      q, k, v, delta, base=base, is_causal=is_causal, q_positions=q_positions,
+      k_positions=k_positions, scale=scale)
+
+
+def _kv_multiplier(multiplier, n_heads: int, kv_heads: int):
+  """Per-head multipliers apply to query heads; kv head j takes group j's (all must agree)."""
+  if multiplier is None or jnp.ndim(multiplier) == 0 or n_heads == kv_heads:
+    return multiplier
+  return jnp.asarray(multiplier).reshape(kv_heads, n_heads // kv_heads)[:, 0]
+
+
+POPE_IMPLEMENTATIONS: dict[str, Callable[..., Array]] = {"xla": _pope_xla, "pallas": _pope_pallas}
+
+
+def _pick_pope_implementation(q: Array, multiplier) -> str:
+  """The fused kernel on GPUs for the inputs it supports (see its `is_supported`); else XLA."""
+  if multiplier is None and jax.default_backend() == "gpu":
+    from pallas_kernels import pope_attention as kernel  # Lazy: GPU-only dependency chain.
+    if kernel.is_supported(q.shape, q.dtype):
+      return "pallas"
+  return "xla"
+
+
+def pope_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    delta: Array | None = None,
+    *,
+    base: float = 10000.0,
+    is_causal: bool = False,
+    q_positions: Array | None = None,
+    k_positions: Array | None = None,
+    scale: float | None = None,
+    multiplier: Array | float | None = None,
+    implementation: str | None = None,
+) -> Array:
+  """PoPE attention: a_ts = Σ_c softplus(q_tc) softplus(k_sc) cos((s - t)θ_c + δ_c) (PoPE Eq. 5/6).
+
+  Args:
+    query: [B, T, N, H] raw query projections (before softplus).
+    key: [B, S, K, H] raw key projections; N % K == 0 (GQA).
+    value: [B, S, K, V].
+    delta: None (no phase bias) or [N, H] float phase bias δ, clamped to [-2π, 0]; one row per
+      query head, also under GQA.
+    base: frequency base, θ_c = base^(-(c-1)/H).
+    is_causal: causal mask by absolute position (see module docstring).
+    q_positions, k_positions: [T] / [S] or [B, T] / [B, S] int; see module docstring for defaults.
+    scale: logit scale; default 1/sqrt(H) of the original head dim (not 2H).
+    multiplier: None, scalar or [N] frequency multiplier (per-layer scaling, PI).
+    implementation: None (best available), "xla" (reference) or "pallas" (fused GPU kernel).
+
+  Returns:
+    [B, T, N, V] in the query's dtype.
+
+  Raises:
+    ValueError: mismatched shapes or positions. NotImplementedError: a named implementation that
+    cannot run these inputs (never a silent fallback).
+  """
+  _check_qkv(query, key, value)
+  if query.shape[-1] != key.shape[-1]:
+    raise ValueError(f"query head dim {query.shape[-1]} != key head dim {key.shape[-1]}")
+  q_pos, k_pos = _positions(query, key, q_positions, k_positions)
+  scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+  if implementation is None:
+    implementation = _pick_pope_implementation(query, multiplier)
+  if implementation not in POPE_IMPLEMENTATIONS:
+    raise ValueError(
+        f"implementation must be one of {sorted(POPE_IMPLEMENTATIONS)} or None, got "
+        f"{implementation!r}")
+  out = POPE_IMPLEMENTATIONS[implementation](
+      query, key, value, delta, base=base, is_causal=is_causal, q_positions=q_pos,
+      k_positions=k_pos, scale=scale, multiplier=multiplier)
+  return out.astype(query.dtype)
+
+
+def rope_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    base: float = 10000.0,
+    is_causal: bool = False,
+    q_positions: Array | None = None,
+    k_positions: Array | None = None,
+    scale: float | None = None,
+    multiplier: Array | float | None = None,
+    layout: encodings.RopeLayout = "half",
+    implementation: str | None = None,
+) -> Array:
+  """RoPE attention (RoFormer Eq. 16): rotate q and k by position·θ, then softmax attention.
+
+  Args:
+    query: [B, T, N, H]; key: [B, S, K, H]; value: [B, S, K, V]; H even, N % K == 0.
+    base, multiplier, layout: see `encodings.apply_rope`.
+    is_causal, q_positions, k_positions, scale: as in `pope_attention` (scale default 1/sqrt(H)).
+    implementation: None or "xla" (reference, materialised scores).
+
+  Returns:
+    [B, T, N, V] in the query's dtype.
+
+  Raises:
+    ValueError: mismatched shapes, odd head dim or unknown implementation.
+  """
+  _check_qkv(query, key, value)
+  if implementation not in (None, "xla"):
+    raise ValueError(f"rope_attention implementation must be None or 'xla', got {implementation!r}")
+  q_pos, k_pos = _positions(query, key, q_positions, k_positions)
+  scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+  qr = encodings.apply_rope(query, q_pos, base=base, multiplier=multiplier, layout=layout)
+  kmult = _kv_multiplier(multiplier, query.shape[2], key.shape[2])
+  kr = encodings.apply_rope(key, k_pos, base=base, multiplier=kmult, layout=layout)
+  mask = attention_mask(q_pos, k_pos, is_causal=is_causal)
+  return dot_product_attention_reference(qr, kr, value, scale=scale, mask=mask).astype(query.dtype)

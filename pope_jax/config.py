@@ -1,0 +1,155 @@
+"""Model and training configuration: frozen dataclasses, validated on construction, and presets.
+
+Presets are built from a base with `dataclasses.replace` and live in `MODEL_PRESETS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+PosEncoding = Literal["rope", "pope", "none"]
+POS_ENCODINGS = ("rope", "pope", "none")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  """A decoder-only Transformer with pre-norm RMSNorm blocks.
+
+  Attributes:
+    vocab_size: number of token ids.
+    num_layers, d_model, num_heads: L, D, N.
+    num_kv_heads: K for grouped-query attention (default: num_heads).
+    head_dim: H (default: d_model // num_heads).
+    mlp_dim: hidden width of the GELU MLP (default 4·D).
+    pos_encoding: "rope", "pope" or "none".
+    rope_base, pope_base: frequency bases (PoPE App. A uses 10 000 for both).
+    delta_init: PoPE phase-bias init, "uniform" (U(-2π, 0)) or "zeros".
+    dropout_rate: dropout after attention and MLP (and on embeddings).
+    tie_embeddings: share the token embedding with the output head.
+    dtype: compute dtype ("float32" or "bfloat16"); params stay float32.
+    attention_implementation: passed to `pope_attention` (None = best available).
+    rope_layout: "half" (Hugging Face) or "interleaved".
+  """
+  vocab_size: int
+  num_layers: int
+  d_model: int
+  num_heads: int
+  num_kv_heads: int | None = None
+  head_dim: int | None = None
+  mlp_dim: int | None = None
+  pos_encoding: PosEncoding = "pope"
+  rope_base: float = 10000.0
+  pope_base: float = 10000.0
+  delta_init: str = "uniform"
+  dropout_rate: float = 0.0
+  tie_embeddings: bool = True
+  dtype: str = "float32"
+  attention_implementation: str | None = None
+  rope_layout: str = "half"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "num_layers", "d_model", "num_heads"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+    if self.pos_encoding not in POS_ENCODINGS:
+      raise ValueError(
+          f"ModelConfig.pos_encoding must be one of {POS_ENCODINGS}, got {self.pos_encoding!r}")
+    if self.head_dim is None and self.d_model % self.num_heads:
+      raise ValueError(f"ModelConfig.d_model={self.d_model} is not divisible by "
+                       f"num_heads={self.num_heads}; set head_dim explicitly")
+    if self.kv_heads <= 0 or self.num_heads % self.kv_heads:
+      raise ValueError(f"ModelConfig.num_heads={self.num_heads} must be a multiple of "
+                       f"num_kv_heads={self.kv_heads}")
+    if self.pos_encoding == "rope" and self.head_size % 2:
+      raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_size}")
+    if self.delta_init not in ("uniform", "zeros"):
+      raise ValueError(f"ModelConfig.delta_init must be 'uniform' or 'zeros', got "
+                       f"{self.delta_init!r}")
+    if self.dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"ModelConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+    if self.rope_layout not in ("half", "interleaved"):
+      raise ValueError(f"ModelConfig.rope_layout must be 'half' or 'interleaved', got "
+                       f"{self.rope_layout!r}")
+    if not 0.0 <= self.dropout_rate < 1.0:
+      raise ValueError(f"ModelConfig.dropout_rate must be in [0, 1), got {self.dropout_rate}")
+
+  @property
+  def kv_heads(self) -> int:
+    return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+  @property
+  def head_size(self) -> int:
+    return self.d_model // self.num_heads if self.head_dim is None else self.head_dim
+
+  @property
+  def mlp_size(self) -> int:
+    return 4 * self.d_model if self.mlp_dim is None else self.mlp_dim
+
+
+_BASE = ModelConfig(vocab_size=256, num_layers=8, d_model=512, num_heads=8)
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    # PoPE App. A: indirect indexing, 8 layers, d_model 512, 8 heads, δ ~ U(-2π, 0), no dropout.
+    "indirect_indexing": _BASE,
+    # PoPE App. A: JSB chorales, 6 layers, d_model 256, 8 heads, dropout 0.2.
+    "jsb": dataclasses.replace(_BASE, num_layers=6, d_model=256, dropout_rate=0.2),
+    # GPT-2 shapes of the OpenWebText runs (head dim 64, δ init zeros, vocab 50 304).
+    "gpt2_124m": dataclasses.replace(_BASE, vocab_size=50304, num_layers=12, d_model=768,
+                                     num_heads=12, delta_init="zeros"),
+    "gpt2_253m": dataclasses.replace(_BASE, vocab_size=50304, num_layers=16, d_model=1024,
+                                     num_heads=16, delta_init="zeros"),
+    "gpt2_774m": dataclasses.replace(_BASE, vocab_size=50304, num_layers=36, d_model=1280,
+                                     num_heads=20, delta_init="zeros"),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+  """Optimisation and bookkeeping for `pope_jax.train.train_and_evaluate`.
+
+  Attributes:
+    steps: optimiser steps.
+    batch_size: global batch (split over all devices; must divide evenly).
+    learning_rate, min_learning_rate: peak lr and the floor of the cosine decay.
+    warmup_steps: linear warm-up from 0 to the peak.
+    b1, b2, weight_decay, grad_clip: AdamW and global-norm clipping.
+    eval_every: evaluate every this many steps (and at the end).
+    eval_batches: batches per evaluation split (None = the whole split).
+    checkpoint_every: save an orbax checkpoint every this many steps (and at the end).
+    log_every: write a metrics line every this many steps.
+    seed: model init, dropout and data order.
+    steps_per_call: optimiser steps fused into one jitted call with `lax.scan` (amortises dispatch).
+    data_workers: grain worker processes (0 = in-process).
+  """
+  steps: int
+  batch_size: int
+  learning_rate: float
+  min_learning_rate: float
+  warmup_steps: int
+  b1: float = 0.9
+  b2: float = 0.99
+  weight_decay: float = 0.01
+  grad_clip: float = 1.0
+  eval_every: int = 1000
+  eval_batches: int | None = None
+  checkpoint_every: int = 1000
+  log_every: int = 100
+  seed: int = 0
+  steps_per_call: int = 1
+  data_workers: int = 0
+
+  def __post_init__(self):
+    for name in ("steps", "batch_size", "eval_every", "checkpoint_every", "log_every",
+                 "steps_per_call"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
+    if self.warmup_steps < 0 or self.data_workers < 0:
+      raise ValueError("TrainConfig.warmup_steps and data_workers must be >= 0")
+    if not 0 < self.min_learning_rate <= self.learning_rate:
+      raise ValueError(f"TrainConfig needs 0 < min_learning_rate <= learning_rate, got "
+                       f"{self.min_learning_rate} and {self.learning_rate}")
+    for name in ("steps", "eval_every", "checkpoint_every", "log_every"):
+      if getattr(self, name) % self.steps_per_call:
+        raise ValueError(f"TrainConfig.{name}={getattr(self, name)} must be a multiple of "
+                         f"steps_per_call={self.steps_per_call}")

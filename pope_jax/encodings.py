@@ -1,0 +1,217 @@
+"""RoPE and PoPE: the one definition of the positional-encoding math.
+
+Every model, reference attention and kernel wrapper in this project derives its frequencies and
+angles here. Angles are always computed in float32 from integer positions.
+
+Shape letters: B batch, T sequence length, N heads, H head dim, F number of frequencies
+(H/2 for RoPE, H for PoPE).
+
+Sources:
+  RoPE: Su et al., "RoFormer", arXiv 2104.09864, Eq. 15 (θ_i = base^(-2(i-1)/H)); the half-split
+    ("rotate_half") layout of Hugging Face transformers and the interleaved-pair layout of the paper.
+  PoPE: Gopalakrishnan et al., "Decoupling the 'What' and 'Where' With Polar Coordinate Positional
+    Embeddings", arXiv 2509.10534: Eq. 3 (softplus magnitudes), Eq. 4 (H frequencies
+    θ_c = base^(-(c-1)/H)), Eq. 5/6 (score), Eq. 7-10 (Cartesian form).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+TWO_PI = 2.0 * math.pi
+RopeLayout = Literal["half", "interleaved"]
+
+
+def rope_frequencies(head_dim: int, base: float = 10000.0) -> Array:
+  """RoPE frequencies θ_i = base^(-2i/H), i = 0..H/2-1 (RoFormer Eq. 15).
+
+  Args:
+    head_dim: H, must be even.
+    base: the RoPE base (often called θ or rope_theta).
+
+  Returns:
+    [H/2] float32, in radians per position.
+
+  Raises:
+    ValueError: if head_dim is odd or not positive, or base is not > 1.
+  """
+  if head_dim <= 0 or head_dim % 2:
+    raise ValueError(f"head_dim must be a positive even number for RoPE, got {head_dim}")
+  if not base > 1.0:
+    raise ValueError(f"base must be > 1, got {base}")
+  return base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+
+
+def pope_frequencies(head_dim: int, base: float = 10000.0) -> Array:
+  """PoPE frequencies θ_c = base^(-(c-1)/H), c = 1..H (PoPE Eq. 4): one per component.
+
+  Args:
+    head_dim: H, positive.
+    base: frequency base (the paper uses 10 000).
+
+  Returns:
+    [H] float32, radians per position.
+
+  Raises:
+    ValueError: if head_dim is not positive or base is not > 1.
+  """
+  if head_dim <= 0:
+    raise ValueError(f"head_dim must be positive, got {head_dim}")
+  if not base > 1.0:
+    raise ValueError(f"base must be > 1, got {base}")
+  return base ** (-jnp.arange(head_dim, dtype=jnp.float32) / head_dim)
+
+
+def scale_frequencies(freqs: Array, multiplier: Array | float | None) -> Array:
+  """Multiplies frequencies by a scalar or per-head multiplier (PI, LPES, Ms-PoE).
+
+  A multiplier of 1/s is position interpolation by s (Chen et al., arXiv 2306.15595): the angle of
+  position m becomes (m/s)·θ.
+
+  Args:
+    freqs: [F] float32.
+    multiplier: None, a scalar, or [N] (one per head). Traced values are fine.
+
+  Returns:
+    [F] if multiplier is None or scalar, else [N, F]; float32.
+
+  Raises:
+    ValueError: if multiplier has more than one dimension.
+  """
+  if multiplier is None:
+    return freqs
+  m = jnp.asarray(multiplier, jnp.float32)
+  if m.ndim == 0:
+    return freqs * m
+  if m.ndim == 1:
+    return m[:, None] * freqs[None, :]
+  raise ValueError(f"multiplier must have shape [] or [num_heads], got {m.shape}")
+
+
+def angles(positions: Array, freqs: Array) -> Array:
+  """Angles position·θ in float32.
+
+  Args:
+    positions: [T] or [B, T] integer (or float) positions.
+    freqs: [F] or [N, F] float32 frequencies.
+
+  Returns:
+    [B|1, T, N|1, F] float32.
+  """
+  pos = jnp.asarray(positions).astype(jnp.float32)
+  if pos.ndim == 1:
+    pos = pos[None]
+  if pos.ndim != 2:
+    raise ValueError(f"positions must have shape [T] or [B, T], got {pos.shape}")
+  if freqs.ndim == 1:
+    freqs = freqs[None]
+  return pos[:, :, None, None] * freqs[None, None]
+
+
+def _check_heads(x: Array, freqs: Array, name: str) -> None:
+  if x.ndim != 4:
+    raise ValueError(f"{name} must have shape [B, T, N, H], got {x.shape}")
+  if freqs.ndim == 2 and freqs.shape[0] != x.shape[2]:
+    raise ValueError(
+        f"per-head multiplier has {freqs.shape[0]} entries but {name} has {x.shape[2]} heads")
+
+
+def apply_rope(
+    x: Array,
+    positions: Array,
+    *,
+    base: float = 10000.0,
+    multiplier: Array | float | None = None,
+    layout: RopeLayout = "half",
+) -> Array:
+  """Rotates pairs of x by position·θ (RoPE).
+
+  Args:
+    x: [B, T, N, H] queries or keys, any float dtype; H even.
+    positions: [T] or [B, T] integer positions.
+    base: RoPE base.
+    multiplier: None, scalar or [N] frequency multiplier (see `scale_frequencies`).
+    layout: "half" pairs component i with i + H/2 (Hugging Face rotate_half);
+      "interleaved" pairs 2i with 2i+1 (RoFormer, llama.cpp / GGUF, Meta's original Llama).
+
+  Returns:
+    [B, T, N, H] in x's dtype; the rotation is computed in float32.
+
+  Raises:
+    ValueError: odd head dim, bad shapes or unknown layout.
+  """
+  freqs = scale_frequencies(rope_frequencies(x.shape[-1], base), multiplier)
+  _check_heads(x, freqs, "x")
+  ang = angles(positions, freqs)                                 # [B|1, T, N|1, H/2]
+  cos, sin = jnp.cos(ang), jnp.sin(ang)
+  xf = x.astype(jnp.float32)
+  if layout == "half":
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  elif layout == "interleaved":
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(xf.shape)
+  else:
+    raise ValueError(f"layout must be 'half' or 'interleaved', got {layout!r}")
+  return out.astype(x.dtype)
+
+
+def clamp_phase_bias(delta: Array) -> Array:
+  """Clamps the PoPE phase bias δ to [-2π, 0] (PoPE §3; gradient is zero outside the range)."""
+  return jnp.clip(delta, -TWO_PI, 0.0)
+
+
+def init_phase_bias(key: Array, shape: tuple[int, ...], init: str = "uniform") -> Array:
+  """Initial PoPE phase bias δ: "zeros" or "uniform" (U(-2π, 0)), float32 (PoPE App. A)."""
+  if init == "zeros":
+    return jnp.zeros(shape, jnp.float32)
+  if init == "uniform":
+    return jax.random.uniform(key, shape, jnp.float32, -TWO_PI, 0.0)
+  raise ValueError(f"delta_init must be 'zeros' or 'uniform', got {init!r}")
+
+
+def pope_magnitudes(x: Array) -> Array:
+  """μ = softplus(x) in float32 (PoPE Eq. 3)."""
+  return jax.nn.softplus(x.astype(jnp.float32))
+
+
+def pope_cartesian(
+    x: Array,
+    positions: Array,
+    *,
+    base: float = 10000.0,
+    phase: Array | None = None,
+    multiplier: Array | float | None = None,
+) -> Array:
+  """Maps raw q or k projections to PoPE's Cartesian form (PoPE Eq. 7-10).
+
+  x' = [μ cos(φ), μ sin(φ)] with μ = softplus(x) and φ = position·θ (+ δ for keys), so that
+  x'_q · x'_k = Σ_c μq_c μk_c cos((s - t)θ_c + δ_c), the PoPE score (Eq. 5/6).
+
+  Args:
+    x: [B, T, N, H] raw projections (before softplus), any float dtype.
+    positions: [T] or [B, T] integer positions.
+    base: PoPE base.
+    phase: None or an extra phase of shape [N, H] float32 added to position·θ (the key-side δ of
+      Eq. 5, or -δ on the query side, which gives the same score).
+    multiplier: None, scalar or [N] frequency multiplier.
+
+  Returns:
+    [B, T, N, 2H] float32.
+  """
+  freqs = scale_frequencies(pope_frequencies(x.shape[-1], base), multiplier)
+  _check_heads(x, freqs, "x")
+  ang = angles(positions, freqs)                                  # [B|1, T, N|1, H]
+  if phase is not None:
+    if phase.shape != x.shape[2:]:
+      raise ValueError(f"phase must have shape [num_heads, head_dim] = {x.shape[2:]}, got "
+                       f"{phase.shape}")
+    ang = ang + phase.astype(jnp.float32)
+  mag = pope_magnitudes(x)
+  return jnp.concatenate([mag * jnp.cos(ang), mag * jnp.sin(ang)], axis=-1)

@@ -1,0 +1,78 @@
+"""Flax Linen attention layer with a RoPE / PoPE / no-position switch, for use in any model.
+
+Shape letters: B batch, T length, D model width, N query heads, K kv heads, H head dim.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from pope_jax import attention, encodings
+
+Array = jax.Array
+
+
+class PositionalAttention(nn.Module):
+  """Multi-head (GQA) causal self-attention with RoPE, PoPE or no positional encoding.
+
+  Attributes:
+    num_heads, num_kv_heads, head_dim: N, K, H.
+    pos_encoding: "rope", "pope" or "none".
+    rope_base, pope_base: frequency bases.
+    delta_init: PoPE δ init, "uniform" (U(-2π, 0)) or "zeros". δ is a [N, H] float32 parameter
+      named "delta", one per layer (PoPE §3), clamped to [-2π, 0] in the forward.
+    rope_layout: "half" or "interleaved".
+    attention_implementation: passed to `pope_attention` (None = best available).
+    dtype: compute dtype.
+  """
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  pos_encoding: str = "pope"
+  rope_base: float = 10000.0
+  pope_base: float = 10000.0
+  delta_init: str = "uniform"
+  rope_layout: str = "half"
+  attention_implementation: str | None = None
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array, *, positions: Array | None = None,
+               multiplier: Array | None = None) -> Array:
+    """Causal self-attention.
+
+    Args:
+      x: [B, T, D].
+      positions: [T] or [B, T] int (default arange(T)).
+      multiplier: None, scalar or [N] frequency multiplier for RoPE/PoPE (PI, LPES).
+
+    Returns:
+      [B, T, D] in `dtype`.
+    """
+    n, kh, h = self.num_heads, self.num_kv_heads, self.head_dim
+    dense = lambda heads, name: nn.DenseGeneral(
+        (heads, h), use_bias=False, dtype=self.dtype, name=name)
+    q, k, v = dense(n, "query")(x), dense(kh, "key")(x), dense(kh, "value")(x)  # [B, T, N|K, H]
+    if positions is None:
+      positions = jnp.arange(x.shape[1], dtype=jnp.int32)
+    common = dict(is_causal=True, q_positions=positions, k_positions=positions,
+                  multiplier=multiplier)
+    if self.pos_encoding == "pope":
+      delta = self.param("delta", lambda key, shape: encodings.init_phase_bias(
+          key, shape, self.delta_init), (n, h))
+      out = attention.pope_attention(q, k, v, delta, base=self.pope_base,
+                                     implementation=self.attention_implementation, **common)
+    elif self.pos_encoding == "rope":
+      out = attention.rope_attention(q, k, v, base=self.rope_base, layout=self.rope_layout,
+                                     **common)
+    elif self.pos_encoding == "none":
+      mask = attention.attention_mask(jnp.asarray(positions), jnp.asarray(positions),
+                                      is_causal=True)
+      out = attention.dot_product_attention_reference(
+          q, k, v, scale=h ** -0.5, mask=mask).astype(self.dtype)
+    else:
+      raise ValueError(f"pos_encoding must be 'rope', 'pope' or 'none', got {self.pos_encoding!r}")
+    return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), use_bias=False, dtype=self.dtype,
+                           name="out")(out)

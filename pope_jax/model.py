@@ -1,0 +1,100 @@
+"""Decoder-only Transformer (pre-norm RMSNorm blocks) with RoPE, PoPE or no positional encoding.
+
+Pure-functional Flax Linen: `params = model.init(key, tokens)["params"]`,
+`logits = model.apply({"params": params}, tokens)`.
+
+Shape letters: B batch, T length, D model width, V vocabulary, L layers, N heads.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from pope_jax.config import ModelConfig
+from pope_jax.layers import PositionalAttention
+
+Array = jax.Array
+
+
+def layer_multipliers(multipliers: Array | float | None, num_layers: int, num_heads: int):
+  """Normalises frequency multipliers to [L, N] float32 (or None).
+
+  Args:
+    multipliers: None, [] (global, e.g. PI), [L] (per layer, LPES) or [L, N] (per layer and head,
+      Ms-PoE). A multiplier of 1/s interpolates positions by s.
+
+  Raises:
+    ValueError: on any other shape.
+  """
+  if multipliers is None:
+    return None
+  m = jnp.asarray(multipliers, jnp.float32)
+  if m.ndim == 0:
+    return jnp.broadcast_to(m, (num_layers, num_heads))
+  if m.shape == (num_layers,):
+    return jnp.broadcast_to(m[:, None], (num_layers, num_heads))
+  if m.shape == (num_layers, num_heads):
+    return m
+  raise ValueError(f"rope_multipliers must have shape [], [{num_layers}] or "
+                   f"[{num_layers}, {num_heads}], got {m.shape}")
+
+
+class Block(nn.Module):
+  """Pre-norm block: x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x))."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, *, positions, multiplier, deterministic):
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype)
+    h = nn.RMSNorm(dtype=dtype, name="attn_norm")(x)
+    h = PositionalAttention(
+        num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_size,
+        pos_encoding=cfg.pos_encoding, rope_base=cfg.rope_base, pope_base=cfg.pope_base,
+        delta_init=cfg.delta_init, rope_layout=cfg.rope_layout,
+        attention_implementation=cfg.attention_implementation, dtype=dtype, name="attn",
+    )(h, positions=positions, multiplier=multiplier)
+    x = x + nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
+    h = nn.RMSNorm(dtype=dtype, name="mlp_norm")(x)
+    h = nn.Dense(cfg.mlp_size, use_bias=False, dtype=dtype, name="mlp_in")(h)
+    h = nn.Dense(cfg.d_model, use_bias=False, dtype=dtype, name="mlp_out")(nn.gelu(h))
+    return x + nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
+
+
+class Transformer(nn.Module):
+  """Token embedding → L pre-norm blocks → RMSNorm → tied or untied head."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens: Array, *, positions: Array | None = None,
+               rope_multipliers: Array | float | None = None,
+               deterministic: bool = True) -> Array:
+    """Next-token logits.
+
+    Args:
+      tokens: [B, T] int32.
+      positions: [T] or [B, T] int (default arange(T)).
+      rope_multipliers: None, [], [L] or [L, N] frequency multipliers (see `layer_multipliers`),
+        applied to RoPE or PoPE frequencies; an input, not a parameter, so it can be vmapped.
+      deterministic: disables dropout; pass False with a "dropout" rng to train.
+
+    Returns:
+      [B, T, V] float32 logits.
+    """
+    cfg = self.config
+    embed = nn.Embed(cfg.vocab_size, cfg.d_model, name="embed")
+    x = embed(tokens).astype(cfg.dtype)                                   # [B, T, D]
+    x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+    mult = layer_multipliers(rope_multipliers, cfg.num_layers, cfg.num_heads)
+    for i in range(cfg.num_layers):
+      x = Block(cfg, name=f"block_{i}")(
+          x, positions=positions, multiplier=None if mult is None else mult[i],
+          deterministic=deterministic)
+    x = nn.RMSNorm(dtype=cfg.dtype, name="final_norm")(x)
+    if cfg.tie_embeddings:
+      logits = embed.attend(x)
+    else:
+      logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, name="head")(x)
+    return logits.astype(jnp.float32)
