@@ -105,8 +105,9 @@ def _positions(q: Array, k: Array, q_positions, k_positions) -> tuple[Array, Arr
   return q_pos, k_pos
 
 
-def _pope_xla(q, k, v, delta, *, base, is_causal, q_positions, k_positions, scale, multiplier):
-  mask = attention_mask(q_positions, k_positions, is_causal=is_causal)
+def _pope_xla(q, k, v, delta, *, base, is_causal, q_positions, k_positions, scale, multiplier,
+              key_mask):
+  mask = attention_mask(q_positions, k_positions, is_causal=is_causal, k_valid=key_mask)
   # δ enters the query phase with opposite sign: cos(sθ - (tθ - δ)) = cos((s - t)θ + δ), the same
   # score as the paper's key-side bias, and it lets every query head of a GQA group keep its own δ.
   q_bias = None if delta is None else -encodings.clamp_phase_bias(_check_delta(delta, q))
@@ -123,10 +124,12 @@ def _check_delta(delta: Array, q: Array) -> Array:
   return delta.astype(jnp.float32)
 
 
-def _pope_pallas(q, k, v, delta, *, base, is_causal, q_positions, k_positions, scale, multiplier):
+def _pope_pallas(q, k, v, delta, *, base, is_causal, q_positions, k_positions, scale, multiplier,
+                 key_mask):
   from pallas_kernels import pope_attention as kernel  # Lazy: GPU-only dependency chain.
-  if multiplier is not None:
-    raise NotImplementedError("implementation='pallas' does not take a frequency multiplier yet")
+  if multiplier is not None or key_mask is not None:
+    raise NotImplementedError(
+        "implementation='pallas' takes neither a frequency multiplier nor a key_mask yet")
   return kernel.pope_attention(
       q, k, v, delta, base=base, is_causal=is_causal, q_positions=q_positions,
       k_positions=k_positions, scale=scale)
@@ -142,9 +145,9 @@ def _kv_multiplier(multiplier, n_heads: int, kv_heads: int):
 POPE_IMPLEMENTATIONS: dict[str, Callable[..., Array]] = {"xla": _pope_xla, "pallas": _pope_pallas}
 
 
-def _pick_pope_implementation(q: Array, multiplier) -> str:
+def _pick_pope_implementation(q: Array, multiplier, key_mask) -> str:
   """The fused kernel on GPUs for the inputs it supports (see its `is_supported`); else XLA."""
-  if multiplier is None and jax.default_backend() == "gpu":
+  if multiplier is None and key_mask is None and jax.default_backend() == "gpu":
     from pallas_kernels import pope_attention as kernel  # Lazy: GPU-only dependency chain.
     if kernel.is_supported(q.shape, q.dtype):
       return "pallas"
@@ -163,6 +166,7 @@ def pope_attention(
     k_positions: Array | None = None,
     scale: float | None = None,
     multiplier: Array | float | None = None,
+    key_mask: Array | None = None,
     implementation: str | None = None,
 ) -> Array:
   """PoPE attention: a_ts = Σ_c softplus(q_tc) softplus(k_sc) cos((s - t)θ_c + δ_c) (PoPE Eq. 5/6).
@@ -178,6 +182,7 @@ def pope_attention(
     q_positions, k_positions: [T] / [S] or [B, T] / [B, S] int; see module docstring for defaults.
     scale: logit scale; default 1/sqrt(H) of the original head dim (not 2H).
     multiplier: None, scalar or [N] frequency multiplier (per-layer scaling, PI).
+    key_mask: None or [B, S] bool, False for padding keys (left-padded batches).
     implementation: None (best available), "xla" (reference) or "pallas" (fused GPU kernel).
 
   Returns:
@@ -193,14 +198,14 @@ def pope_attention(
   q_pos, k_pos = _positions(query, key, q_positions, k_positions)
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
   if implementation is None:
-    implementation = _pick_pope_implementation(query, multiplier)
+    implementation = _pick_pope_implementation(query, multiplier, key_mask)
   if implementation not in POPE_IMPLEMENTATIONS:
     raise ValueError(
         f"implementation must be one of {sorted(POPE_IMPLEMENTATIONS)} or None, got "
         f"{implementation!r}")
   out = POPE_IMPLEMENTATIONS[implementation](
       query, key, value, delta, base=base, is_causal=is_causal, q_positions=q_pos,
-      k_positions=k_pos, scale=scale, multiplier=multiplier)
+      k_positions=k_pos, scale=scale, multiplier=multiplier, key_mask=key_mask)
   return out.astype(query.dtype)
 
 
@@ -216,14 +221,17 @@ def rope_attention(
     scale: float | None = None,
     multiplier: Array | float | None = None,
     layout: encodings.RopeLayout = "half",
+    frequencies: Array | None = None,
+    key_mask: Array | None = None,
     implementation: str | None = None,
 ) -> Array:
   """RoPE attention (RoFormer Eq. 16): rotate q and k by position·θ, then softmax attention.
 
   Args:
     query: [B, T, N, H]; key: [B, S, K, H]; value: [B, S, K, V]; H even, N % K == 0.
-    base, multiplier, layout: see `encodings.apply_rope`.
-    is_causal, q_positions, k_positions, scale: as in `pope_attention` (scale default 1/sqrt(H)).
+    base, multiplier, layout, frequencies: see `encodings.apply_rope`.
+    is_causal, q_positions, k_positions, scale, key_mask: as in `pope_attention` (scale default
+      1/sqrt(H)).
     implementation: None or "xla" (reference, materialised scores).
 
   Returns:
@@ -237,8 +245,9 @@ def rope_attention(
     raise ValueError(f"rope_attention implementation must be None or 'xla', got {implementation!r}")
   q_pos, k_pos = _positions(query, key, q_positions, k_positions)
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-  qr = encodings.apply_rope(query, q_pos, base=base, multiplier=multiplier, layout=layout)
+  rope = dict(base=base, layout=layout, frequencies=frequencies)
+  qr = encodings.apply_rope(query, q_pos, multiplier=multiplier, **rope)
   kmult = _kv_multiplier(multiplier, query.shape[2], key.shape[2])
-  kr = encodings.apply_rope(key, k_pos, base=base, multiplier=kmult, layout=layout)
-  mask = attention_mask(q_pos, k_pos, is_causal=is_causal)
+  kr = encodings.apply_rope(key, k_pos, multiplier=kmult, **rope)
+  mask = attention_mask(q_pos, k_pos, is_causal=is_causal, k_valid=key_mask)
   return dot_product_attention_reference(qr, kr, value, scale=scale, mask=mask).astype(query.dtype)

@@ -129,6 +129,7 @@ def apply_rope(
     base: float = 10000.0,
     multiplier: Array | float | None = None,
     layout: RopeLayout = "half",
+    frequencies: Array | None = None,
 ) -> Array:
   """Rotates pairs of x by position·θ (RoPE).
 
@@ -139,6 +140,8 @@ def apply_rope(
     multiplier: None, scalar or [N] frequency multiplier (see `scale_frequencies`).
     layout: "half" pairs component i with i + H/2 (Hugging Face rotate_half);
       "interleaved" pairs 2i with 2i+1 (RoFormer, llama.cpp / GGUF, Meta's original Llama).
+    frequencies: optional [H/2] float32 frequencies replacing base^(-2i/H) (for scaled RoPE
+      variants such as llama3 or YaRN); `base` is then ignored.
 
   Returns:
     [B, T, N, H] in x's dtype; the rotation is computed in float32.
@@ -146,7 +149,11 @@ def apply_rope(
   Raises:
     ValueError: odd head dim, bad shapes or unknown layout.
   """
-  freqs = scale_frequencies(rope_frequencies(x.shape[-1], base), multiplier)
+  if frequencies is None:
+    frequencies = rope_frequencies(x.shape[-1], base)
+  elif frequencies.shape != (x.shape[-1] // 2,):
+    raise ValueError(f"frequencies must have shape [{x.shape[-1] // 2}], got {frequencies.shape}")
+  freqs = scale_frequencies(frequencies, multiplier)
   _check_heads(x, freqs, "x")
   ang = angles(positions, freqs)                                 # [B|1, T, N|1, H/2]
   cos, sin = jnp.cos(ang), jnp.sin(ang)
