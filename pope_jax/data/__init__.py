@@ -1,0 +1,1 @@
+"""Data sources (grain random-access sources of {"inputs", "targets", "weights"} records)."""
