@@ -1,0 +1,301 @@
+"""Llama-family decoder (llama, mistral, qwen2) in pure-functional Flax Linen, with a KV cache.
+
+    model = Llama(config)
+    logits = model.apply({"params": params}, tokens, attention_mask=mask,
+                         rope_multipliers=m)                          # [B, T, V] float32
+    cache = init_kv_cache(config, batch, max_len)
+    logits, cache = model.apply({"params": params}, tokens, attention_mask=mask, kv_cache=cache)
+
+Matches Hugging Face transformers' `LlamaForCausalLM` / `Qwen2ForCausalLM`: pre-norm RMSNorm
+(weight · normalise(x in float32) cast back), SwiGLU MLP down(silu(gate(x)) · up(x)), grouped-query
+attention with half-split ("rotate_half") RoPE on the checkpoint's frequencies, optional q/k/v (and
+o) biases, tied or untied LM head. Parameter names follow Hugging Face (`embed_tokens`,
+`layers_i/self_attn/q_proj`, ...; Dense kernels are the transposed HF weights).
+
+LPES: `rope_multipliers` ([], [L] or [L, N]; 1/s interpolates positions by s) is an array input,
+not a parameter or a static field, so one compiled function serves every candidate and `jax.vmap`
+over multipliers works. Per-head multipliers apply to query heads; each kv head takes its group's
+first entry (`pope_jax.attention` convention).
+
+Padding and positions: left padding, `attention_mask` [B, T] (1 = token). Positions default to
+cumsum(mask) − 1 per row (pads get position 0), continued after the tokens already in the cache.
+A key is visible to a query iff it is a real token and its position is ≤ the query's.
+
+Shape letters: B batch, T new tokens, S cache length, D model width, N query heads, K kv heads,
+H head dim, F MLP width, V vocabulary, L layers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lpes_jax.config import LlamaConfig
+from lpes_jax.rope_scaling import scaled_rope_frequencies
+from pope_jax import attention as pope_attention_lib
+from pope_jax import encodings
+from pope_jax.model import layer_multipliers
+
+Array = jax.Array
+KVCache = dict[str, Any]
+
+
+def init_kv_cache(config: LlamaConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+  """An empty KV cache for `max_len` tokens per row.
+
+  Args:
+    config: the model config (L, K, H).
+    batch: B.
+    max_len: S, the most tokens (prompt + generated) a row will hold.
+    dtype: cache dtype (default: the model dtype).
+
+  Returns:
+    dict: "k", "v": tuples of L arrays [B, S, K, H] (keys stored after RoPE); "positions": [B, S]
+    int32; "valid": [B, S] bool (False for pads and unwritten slots); "index": [] int32, the
+    number of slots written.
+  """
+  dtype = jnp.dtype(dtype or config.dtype)
+  shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+  return {
+      "k": tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+      "v": tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+      "positions": jnp.zeros((batch, max_len), jnp.int32),
+      "valid": jnp.zeros((batch, max_len), bool),
+      "index": jnp.zeros((), jnp.int32),
+  }
+
+
+def padded_positions(attention_mask: Array, offset: Array | int = 0) -> Array:
+  """Per-row positions cumsum(mask) − 1 + offset, pads clipped to the row's offset.
+
+  Args:
+    attention_mask: [B, T] bool/int, 1 for tokens (left padding).
+    offset: [] or [B] int, tokens already seen per row.
+
+  Returns:
+    [B, T] int32.
+  """
+  m = jnp.asarray(attention_mask).astype(jnp.int32)
+  pos = jnp.cumsum(m, axis=-1) - 1
+  return (jnp.maximum(pos, 0) + jnp.asarray(offset, jnp.int32).reshape(-1, 1)).astype(jnp.int32)
+
+
+class RMSNorm(nn.Module):
+  """weight · (x / sqrt(mean(x²) + eps)), normalised in float32 and cast back (HF LlamaRMSNorm)."""
+  eps: float
+  dtype: Any
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return weight * xf.astype(x.dtype)
+
+
+def _attend(q: Array, k: Array, v: Array, mask: Array, *, implementation: str) -> Array:
+  """Softmax attention [B, T, N, H] × [B, S, K, H] → [B, T, N, H] in q's dtype."""
+  scale = 1.0 / math.sqrt(q.shape[-1])
+  if implementation == "xla":
+    out = pope_attention_lib.dot_product_attention_reference(q, k, v, scale=scale, mask=mask)
+  elif implementation == "jax_nn":
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale)
+  else:
+    raise ValueError(f"attention_implementation must be 'xla' or 'jax_nn', got {implementation!r}")
+  return out.astype(q.dtype)
+
+
+class Attention(nn.Module):
+  """GQA self-attention with half-split RoPE on the checkpoint's frequencies."""
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x, *, positions, multiplier, keys):
+    """x [B, T, D]; positions [B, T]; multiplier None or [N]; keys: dict of the key side.
+
+    `keys` holds "k", "v" ([B, S, K, H] cache or None), "positions" [B, S], "valid" [B, S] and
+    "index" (slot of the first new token). Returns (out [B, T, D], (k_all, v_all)).
+    """
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype)
+    b, t, _ = x.shape
+    n, kh, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    dense = lambda f, bias, name: nn.Dense(f, use_bias=bias, dtype=dtype, param_dtype=dtype,
+                                           name=name)
+    q = dense(n * h, cfg.qkv_bias, "q_proj")(x).reshape(b, t, n, h)
+    k = dense(kh * h, cfg.qkv_bias, "k_proj")(x).reshape(b, t, kh, h)
+    v = dense(kh * h, cfg.qkv_bias, "v_proj")(x).reshape(b, t, kh, h)
+    freqs = jnp.asarray(scaled_rope_frequencies(h, cfg.rope_theta, cfg.rope_scaling))
+    k_mult = None if multiplier is None else multiplier.reshape(kh, n // kh)[:, 0]
+    q = encodings.apply_rope(q, positions, multiplier=multiplier, frequencies=freqs)
+    k = encodings.apply_rope(k, positions, multiplier=k_mult, frequencies=freqs)
+    if keys["k"] is not None:
+      start = (0, keys["index"], 0, 0)
+      k = jax.lax.dynamic_update_slice(keys["k"], k.astype(keys["k"].dtype), start)
+      v = jax.lax.dynamic_update_slice(keys["v"], v.astype(keys["v"].dtype), start)
+    mask = pope_attention_lib.attention_mask(positions, keys["positions"], is_causal=True,
+                                             k_valid=keys["valid"])           # [B, T, S]
+    if cfg.sliding_window is not None:
+      mask = mask & (positions[:, :, None] - keys["positions"][:, None, :] < cfg.sliding_window)
+    out = _attend(q, k.astype(dtype), v.astype(dtype), mask,
+                  implementation=cfg.attention_implementation)                # [B, T, N, H]
+    out = dense(cfg.hidden_size, cfg.o_bias, "o_proj")(out.reshape(b, t, n * h))
+    return out, (k, v)
+
+
+class MLP(nn.Module):
+  """SwiGLU: down(silu(gate(x)) · up(x))."""
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype)
+    dense = lambda f, name: nn.Dense(f, use_bias=False, dtype=dtype, param_dtype=dtype, name=name)
+    h = nn.silu(dense(cfg.intermediate_size, "gate_proj")(x)) * dense(cfg.intermediate_size,
+                                                                      "up_proj")(x)
+    return dense(cfg.hidden_size, "down_proj")(h)
+
+
+class DecoderLayer(nn.Module):
+  """x + Attn(RMSNorm(x)), then x + MLP(RMSNorm(x))."""
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x, *, positions, multiplier, keys):
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype)
+    h, kv = Attention(cfg, name="self_attn")(
+        RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x), positions=positions,
+        multiplier=multiplier, keys=keys)
+    x = x + h
+    x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.rms_norm_eps, dtype,
+                                         name="post_attention_layernorm")(x))
+    return x, kv
+
+
+class Llama(nn.Module):
+  """Token embedding → L decoder layers → RMSNorm → tied or untied LM head."""
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(
+      self,
+      tokens: Array,
+      *,
+      positions: Array | None = None,
+      attention_mask: Array | None = None,
+      rope_multipliers: Array | float | None = None,
+      kv_cache: KVCache | None = None,
+      last_token_only: bool = False,
+  ):
+    """Next-token logits, optionally reading and extending a KV cache.
+
+    Args:
+      tokens: [B, T] int32.
+      positions: [B, T] int32; default `padded_positions(attention_mask, tokens in cache)`.
+      attention_mask: [B, T] bool/int, 0 for (left) padding; default all ones.
+      rope_multipliers: None, [], [L] or [L, N] float frequency multipliers (traced; vmap-able).
+      kv_cache: None, or a cache from `init_kv_cache` (the T new tokens are written at slots
+        index..index+T−1 and may attend to everything written before).
+      last_token_only: compute logits for the last position only ([B, 1, V]).
+
+    Returns:
+      logits [B, T, V] float32 without a cache; (logits, new_cache) with one. Each layer's input
+      and the final normed hidden state are sown into the "intermediates" collection as
+      "hidden_states" (apply with `mutable=["intermediates"]` to read them).
+
+    Raises:
+      ValueError: bad multiplier shape; T larger than the cache's free slots (when static).
+    """
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype)
+    b, t = tokens.shape
+    if attention_mask is None:
+      attention_mask = jnp.ones((b, t), bool)
+    attention_mask = jnp.asarray(attention_mask).astype(bool)
+    if kv_cache is None:
+      if positions is None:
+        positions = padded_positions(attention_mask)
+      keys = {"k": None, "v": None, "positions": positions, "valid": attention_mask,
+              "index": 0}
+    else:
+      max_len = kv_cache["positions"].shape[1]
+      if t > max_len:
+        raise ValueError(f"{t} new tokens do not fit a KV cache of {max_len} slots")
+      index = kv_cache["index"]
+      if positions is None:
+        positions = padded_positions(attention_mask, jnp.sum(kv_cache["valid"], axis=-1))
+      keys = {
+          "positions": jax.lax.dynamic_update_slice(kv_cache["positions"],
+                                                    positions.astype(jnp.int32), (0, index)),
+          "valid": jax.lax.dynamic_update_slice(kv_cache["valid"], attention_mask, (0, index)),
+          "index": index,
+      }
+    positions = jnp.asarray(positions, jnp.int32)
+    mult = layer_multipliers(rope_multipliers, cfg.num_layers, cfg.num_heads)
+
+    embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
+                     name="embed_tokens")
+    x = embed(tokens)                                                         # [B, T, D]
+    new_k, new_v = [], []
+    for i in range(cfg.num_layers):
+      self.sow("intermediates", "hidden_states", x)
+      layer_keys = dict(keys, k=None if kv_cache is None else kv_cache["k"][i],
+                        v=None if kv_cache is None else kv_cache["v"][i])
+      x, (k, v) = DecoderLayer(cfg, name=f"layers_{i}")(
+          x, positions=positions, multiplier=None if mult is None else mult[i], keys=layer_keys)
+      new_k.append(k)
+      new_v.append(v)
+    x = RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(x)
+    self.sow("intermediates", "hidden_states", x)
+    if last_token_only:
+      x = x[:, -1:]
+    if cfg.tie_word_embeddings:
+      logits = embed.attend(x)
+    else:
+      logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype,
+                        name="lm_head")(x)
+    logits = logits.astype(jnp.float32)
+    if kv_cache is None:
+      return logits
+    new_cache = {"k": tuple(new_k), "v": tuple(new_v), "positions": keys["positions"],
+                 "valid": keys["valid"], "index": kv_cache["index"] + t}
+    return logits, new_cache
+
+
+def init_params(config: LlamaConfig, key: Array, *, scale: float = 0.02) -> Any:
+  """Random parameters of the right shapes (N(0, scale²) weights, unit norms, zero biases).
+
+  Args:
+    config: model config; params are created in `config.dtype` directly on the default device.
+    key: PRNG key.
+
+  Returns:
+    A params pytree as `Llama(config).init(...)["params"]` would give.
+  """
+  model = Llama(config)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes["params"])
+  keys = jax.random.split(key, len(leaves))
+
+  def make(path, leaf, k):
+    name = jax.tree_util.keystr(path)
+    if "layernorm" in name or name.endswith("['norm']['weight']"):
+      return jnp.ones(leaf.shape, leaf.dtype)
+    if "bias" in name:
+      return jnp.zeros(leaf.shape, leaf.dtype)
+    return (scale * jax.random.normal(k, leaf.shape, jnp.float32)).astype(leaf.dtype)
+
+  made = jax.jit(lambda ks: [make(p, l, k) for (p, l), k in zip(leaves, ks)])(keys)
+  return jax.tree_util.tree_unflatten(treedef, made)
+
+
+def num_params(params: Any) -> int:
+  """Total number of parameters."""
+  return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
