@@ -1,0 +1,162 @@
+"""Shared pieces of the warp-specialised PoPE attention kernels (Mosaic GPU, Hopper).
+
+Every kernel has the same skeleton: a CTA holds two resident tiles (one per compute warpgroup)
+and a memory warpgroup streams tiles of the other operand through `stages` SMEM slots with TMA.
+Which streamed steps a resident tile visits is precomputed in XLA from the positions (see
+`visit_table`), so causal block skipping is exact for any positions:
+
+  [u_lo, lo)   visited by the other warpgroup only: wait, release, no math
+  [lo, flo)    partly visible: masked by position
+  [flo, fhi)   fully visible: no mask
+  [fhi, hi)    partly visible: masked by position
+  [hi, u_hi)   as the first range
+
+Shape letters: B batch, R resident tiles, C streamed steps.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import state
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+COMPUTE_WGS = 2
+# Positions travel as float32 (exact below 2**24); padding rows get these sentinels.
+KEY_PAD = 1e9
+QUERY_PAD = -1e9
+QUERY_SEES_ALL = 5e8
+NEG_INF = float("-inf")
+M_INIT = -1e30
+
+
+def visit_table(row_pos: jax.Array, col_pos: jax.Array, row_block: int, col_block: int, *,
+                rows_are_queries: bool) -> jax.Array:
+  """Per CTA the streamed-step ranges of its two warpgroups, [B, R / 2, 2 + 4 * 2] int32.
+
+  Args:
+    row_pos: [B, R * row_block] float32 positions of the resident side.
+    col_pos: [B, C * col_block] float32 positions of the streamed side.
+    row_block, col_block: tile sizes.
+    rows_are_queries: resident tiles are queries (forward, dq) or keys (dk/dv).
+
+  Returns:
+    int32 table; row [u_lo, u_hi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1].
+  """
+  b = row_pos.shape[0]
+  r = row_pos.reshape(b, -1, row_block)
+  c = col_pos.reshape(b, -1, col_block)
+  rmin, rmax = r.min(-1)[:, :, None], r.max(-1)[:, :, None]
+  cmin, cmax = c.min(-1)[:, None, :], c.max(-1)[:, None, :]
+  if rows_are_queries:  # key s visible to query t iff kpos[s] <= qpos[t]
+    any_vis, all_vis = cmin <= rmax, cmax <= rmin
+  else:
+    any_vis, all_vis = rmin <= cmax, rmax <= cmin
+  n_cols = c.shape[1]
+  idx = jnp.arange(n_cols, dtype=jnp.int32)[None, None, :]
+  lo = jnp.where(any_vis, idx, n_cols).min(-1)
+  hi = jnp.where(any_vis, idx + 1, 0).max(-1)
+  empty = hi <= lo
+  lo, hi = jnp.where(empty, 0, lo), jnp.where(empty, 0, hi)
+  inside = (idx >= lo[..., None]) & (idx < hi[..., None])
+  flo = jnp.where(all_vis & inside, idx, hi[..., None]).min(-1)
+  fhi = jnp.where((idx >= flo[..., None]) & ~all_vis, idx, hi[..., None]).min(-1)
+  fhi = jnp.minimum(fhi, hi)
+  pair = lambda x: x.reshape(b, -1, COMPUTE_WGS)
+  lo, flo, fhi, hi, empty = map(pair, (lo, flo, fhi, hi, empty))
+  big = jnp.int32(n_cols + 1)
+  u_lo = jnp.where(empty, big, lo).min(-1)
+  u_hi = jnp.where(empty, 0, hi).max(-1)
+  all_empty = u_hi <= 0
+  u_lo, u_hi = jnp.where(all_empty, 0, u_lo), jnp.where(all_empty, 0, u_hi)
+  fill = lambda x: jnp.where(empty, u_lo[..., None], x)
+  lo, flo, fhi, hi = map(fill, (lo, flo, fhi, hi))
+  per_wg = jnp.stack([lo, flo, fhi, hi], axis=-1).reshape(b, -1, 4 * COMPUTE_WGS)
+  return jnp.concatenate([u_lo[..., None], u_hi[..., None], per_wg], axis=-1).astype(jnp.int32)
+
+
+def read_ranges(tab_ref, batch, cta, wg):
+  """(u_lo, u_hi, lo, flo, fhi, hi) scalars of this CTA and warpgroup from the visit table."""
+  u_lo, u_hi = tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]
+  base = 2 + 4 * wg
+  lo, flo, fhi, hi = (tab_ref[batch, cta, base + i] for i in range(4))
+  return u_lo, u_hi, lo, flo, fhi, hi
+
+
+def compute_loops(ranges, carry, step):
+  """Runs step(s, carry, mode) over the five ranges; mode is "skip", "masked" or "full"."""
+  u_lo, u_hi, lo, flo, fhi, hi = ranges
+  for start, stop, mode in ((u_lo, lo, "skip"), (lo, flo, "masked"), (flo, fhi, "full"),
+                            (fhi, hi, "masked"), (hi, u_hi, "skip")):
+    carry = lax.fori_loop(start, stop, lambda s, c, mode=mode: step(s, c, mode), carry)
+  return carry
+
+
+def stream(u_lo, u_hi, stages: int, consumed, issue):
+  """Memory warpgroup: issue(s, slot) for s in [u_lo, u_hi), reusing a slot once consumed."""
+  for i in range(stages):
+    @pl.when(u_lo + i < u_hi)
+    def _prologue():
+      issue(u_lo + i, i)
+
+  def body(s, _):
+    slot = lax.rem(s - u_lo, stages)
+    plgpu.barrier_wait(consumed.at[slot])
+    issue(s, slot)
+    return None
+
+  lax.fori_loop(u_lo + stages, u_hi, body, None)
+
+  def drain(s, _):  # Wait for the last steps' release so every barrier phase is observed.
+    plgpu.barrier_wait(consumed.at[lax.rem(s - u_lo, stages)])
+    return None
+
+  lax.fori_loop(jnp.maximum(u_lo, u_hi - stages), u_hi, drain, None)
+
+
+def slot_of(s, u_lo, stages: int):
+  return lax.rem(s - u_lo, stages)
+
+
+def _interpreted() -> bool:
+  return jax.default_backend() != "gpu"
+
+
+def matmul(a, b, shape) -> jax.Array:
+  """a @ b on the tensor cores (wgmma) into a fresh float32 accumulator of `shape`.
+
+  a is an SMEM ref or a register value, b an SMEM ref. The CPU interpreter's wgmma takes only
+  SMEM operands, so there a register lhs is multiplied with jnp.dot (float32 accumulation).
+  """
+  if _interpreted() and not isinstance(a, state.AbstractRef | state.TransformedRef):
+    return jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+
+  def run(acc_ref):
+    plgpu.wgmma(acc_ref, a, b)
+    return acc_ref[...]
+  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def matmul_acc(acc: jax.Array, a, b) -> jax.Array:
+  """acc + a @ b (wgmma accumulating in registers; the interpreter adds a fresh product)."""
+  if _interpreted():  # The interpreter does not implement run_state.
+    return acc + matmul(a, b, acc.shape)
+
+  def run(acc_ref):
+    plgpu.wgmma(acc_ref, a, b)
+  return pl.run_state(run)(plgpu.ACC.init(acc))
+
+
+def row_vector(smem_ref, rows_axis: int):
+  """Loads a [n] float32 SMEM vector laid out along `rows_axis` of a WGMMA tile."""
+  return plgpu.load(smem_ref, (), layout=plgpu.Layout.WGMMA.reduce(1 - rows_axis))
+
+
+def broadcast(x, shape, axis: int):
+  return lax.broadcast_in_dim(x, shape, [axis])
+
+
+def tile_transforms():
+  return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))

@@ -1,0 +1,170 @@
+"""Fused PoPE attention on Hopper GPUs (Pallas Mosaic GPU), forward and backward.
+
+PoPE (arXiv 2509.10534, Eq. 5/6) scores a_ts = Σ_c μq_tc μk_sc cos((s - t)θ_c + δ_c) with
+μ = softplus, θ_c = base^(-c/H). Written as a dot product of 2H-wide Cartesian vectors,
+  q'_t = [μq cos(tθ - δ), μq sin(tθ - δ)],  k'_s = [μk cos sθ, μk sin sθ],
+it is ordinary attention over width 2H. This module maps q, k to that form in one fused XLA
+pass (float32 angles, bf16/fp16 result; the scale and log2(e) are folded into q'), then runs the
+flash-attention kernels of `pope_attention_fwd` / `pope_attention_bwd` under a `jax.custom_vjp`.
+The gradients of q, k and δ flow back through the Cartesian map by autodiff (δ's is a reduction
+over batch and positions).
+
+Supported: bf16/fp16 inputs with float32 accumulation, H in {32, 64, 128}, V <= 256, GQA
+(N % K == 0), any sequence lengths (zero-padded internally), query and key positions of shape
+[T]/[S] or [B, T]/[B, S] with |position| < 2**24, causal (k_pos[s] <= q_pos[t]) or not. Query
+rows with no visible key return zeros. Runs on Hopper GPUs, and on CPU in the Mosaic GPU
+interpreter (`plgpu.force_gpu_interpret_mode()`, for tests).
+
+Shape letters: B batch, T query length, S key length, N query heads, K kv heads, H head dim,
+V value head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _streaming as st
+from pallas_kernels.pope_attention_bwd import pope_attention_dkv, pope_attention_dq
+from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
+from pallas_kernels.pope_attention_fwd import pope_attention_fwd
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SUPPORTED_HEAD_DIMS = (32, 64, 128)
+MAX_VALUE_DIM = 256
+_LOG2E = 1.0 / math.log(2.0)
+_TWO_PI = 2.0 * math.pi
+
+
+def is_supported(shape: tuple[int, ...], dtype) -> bool:
+  """Whether the kernel runs a query of `shape` [B, T, N, H] and `dtype`."""
+  return len(shape) == 4 and jnp.dtype(dtype) in SUPPORTED_DTYPES and (
+      shape[-1] in SUPPORTED_HEAD_DIMS)
+
+
+def _check(q, k, v, delta) -> None:
+  if not is_supported(q.shape, q.dtype):
+    raise NotImplementedError(
+        f"pallas PoPE attention takes query dtype in {[str(d) for d in SUPPORTED_DTYPES]} and "
+        f"head dim in {SUPPORTED_HEAD_DIMS}; got query {q.dtype} {q.shape}")
+  if k.dtype != q.dtype or v.dtype != q.dtype:
+    raise NotImplementedError(
+        f"pallas PoPE attention needs one dtype for query, key, value; got {q.dtype}, "
+        f"{k.dtype}, {v.dtype}")
+  if k.shape[-1] != q.shape[-1] or q.shape[2] % k.shape[2] or k.shape[:3] != v.shape[:3]:
+    raise ValueError(f"query {q.shape}, key {k.shape}, value {v.shape} do not agree")
+  if v.shape[-1] > MAX_VALUE_DIM:
+    raise NotImplementedError(f"value head dim {v.shape[-1]} exceeds {MAX_VALUE_DIM}")
+  if delta is not None and delta.shape != q.shape[2:]:
+    raise ValueError(f"delta must have shape {q.shape[2:]}, got {delta.shape}")
+
+
+def _cartesian(x, positions, freqs, phase, factor, dtype):
+  """[μ cos φ, μ sin φ]·factor with μ = softplus(x), φ = pos·θ (+ phase), float32 math."""
+  mag = jax.nn.softplus(x.astype(jnp.float32))
+  ang = positions.astype(jnp.float32)[:, :, None, None] * freqs
+  if phase is not None:
+    ang = ang + phase
+  return (jnp.concatenate([mag * jnp.cos(ang), mag * jnp.sin(ang)], -1) * factor).astype(dtype)
+
+
+def _pad_to(x, length: int, axis: int, value=0):
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, length - x.shape[axis])
+  return jnp.pad(x, pad, constant_values=value)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(a, b, v, q_pos, k_pos, tables, blocks: BlockSizes):
+  return _flash_fwd(a, b, v, q_pos, k_pos, tables, blocks)[0]
+
+
+def _flash_fwd(a, b, v, q_pos, k_pos, tables, blocks):
+  out, lse = pope_attention_fwd(a, b, v, q_pos, k_pos, tables[0], blocks=blocks)
+  return out, (a, b, v, q_pos, k_pos, tables, out, lse)
+
+
+def _flash_bwd(blocks, res, d_out):
+  a, b, v, q_pos, k_pos, tables, out, lse = res
+  delta = jnp.einsum("btnv,btnv->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
+  d_out = d_out.astype(a.dtype)
+  args = (a, b, v, d_out, lse, delta, q_pos, k_pos)
+  da = pope_attention_dq(*args, tables[1], blocks=blocks)
+  db, dv = pope_attention_dkv(*args, tables[2], blocks=blocks)
+  bsz, s_len, kv_heads = b.shape[:3]
+  group = a.shape[2] // kv_heads
+  if group > 1:
+    def group_sum(x):
+      x = x.reshape(bsz, s_len, kv_heads, group, x.shape[-1]).astype(jnp.float32)
+      return x.sum(3).astype(a.dtype)
+    db, dv = group_sum(db), group_sum(dv)
+  ln2 = math.log(2.0)  # d exp2(x) = ln 2 · exp2(x) dx
+  da = (da.astype(jnp.float32) * ln2).astype(a.dtype)
+  db = (db.astype(jnp.float32) * ln2).astype(a.dtype)
+  return da, db, dv, jnp.zeros_like(q_pos), jnp.zeros_like(k_pos), None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: bool = False,
+                   q_positions=None, k_positions=None, scale: float | None = None,
+                   block_sizes: BlockSizes | None = None):
+  """Fused PoPE attention (PoPE Eq. 5/6), differentiable in q, k, v and δ.
+
+  Args:
+    q: [B, T, N, H] raw queries (before softplus), bf16 or fp16.
+    k: [B, S, K, H] raw keys, same dtype; N % K == 0.
+    v: [B, S, K, V] values, same dtype.
+    delta: None or [N, H] phase bias δ, clamped to [-2π, 0].
+    base: frequency base of θ_c = base^(-c/H).
+    is_causal: key s visible to query t iff k_pos[s] <= q_pos[t].
+    q_positions, k_positions: [T] / [S] or [B, T] / [B, S] int; default: keys arange(S),
+      queries S - T + arange(T).
+    scale: logit scale, default 1/sqrt(H).
+    block_sizes: tile sizes; default `default_block_sizes(H)`.
+
+  Returns:
+    [B, T, N, V] in q's dtype; zero rows where no key is visible.
+
+  Raises:
+    NotImplementedError: dtype, head dim or value dim the kernel does not support.
+    ValueError: shapes that do not agree.
+  """
+  _check(q, k, v, delta)
+  bsz, t_len, n_heads, h = q.shape
+  s_len, vd = k.shape[1], v.shape[-1]
+  blocks = default_block_sizes(h) if block_sizes is None else block_sizes
+  scale = 1.0 / math.sqrt(h) if scale is None else scale
+  if k_positions is None:
+    k_positions = jnp.arange(s_len, dtype=jnp.int32)
+  if q_positions is None:
+    q_positions = jnp.arange(s_len - t_len, s_len, dtype=jnp.int32)
+  q_pos = jnp.broadcast_to(jnp.asarray(q_positions), (bsz, t_len))
+  k_pos = jnp.broadcast_to(jnp.asarray(k_positions), (bsz, s_len))
+
+  freqs = base ** (-jnp.arange(h, dtype=jnp.float32) / h)
+  phase = None if delta is None else -jnp.clip(delta.astype(jnp.float32), -_TWO_PI, 0.0)
+  a = _cartesian(q, q_pos, freqs, phase, scale * _LOG2E, q.dtype)
+  b = _cartesian(k, k_pos, freqs, None, 1.0, q.dtype)
+
+  mult = blocks.seq_multiple
+  t_pad, s_pad = -(-t_len // mult) * mult, -(-s_len // mult) * mult
+  v_pad = -(-vd // 64) * 64
+  a = _pad_to(a, t_pad, 1)
+  b = _pad_to(b, s_pad, 1)
+  vp = _pad_to(_pad_to(v, s_pad, 1), v_pad, 3)
+  qp = q_pos.astype(jnp.float32) if is_causal else jnp.full(q_pos.shape, st.QUERY_SEES_ALL)
+  qp = _pad_to(qp, t_pad, 1, st.QUERY_PAD)
+  kp = _pad_to(k_pos.astype(jnp.float32), s_pad, 1, st.KEY_PAD)
+  qp, kp = jax.lax.stop_gradient(qp), jax.lax.stop_gradient(kp)
+  tables = (
+      st.visit_table(qp, kp, blocks.block_q, blocks.block_kv, rows_are_queries=True),
+      st.visit_table(qp, kp, blocks.block_q_dq, blocks.block_kv_dq, rows_are_queries=True),
+      st.visit_table(kp, qp, blocks.block_kv_dkv, blocks.block_q_dkv, rows_are_queries=False),
+  )
+  out = _flash(a, b, vp, qp, kp, tables, blocks)
+  return out[:, :t_len, :, :vd]

@@ -1,0 +1,249 @@
+"""Backward kernels of fused PoPE attention: dq (resident queries) and dk, dv (resident keys).
+
+For O = softmax₂(a bᵀ) v (see `pope_attention_fwd`) with P = exp2(a bᵀ - lse) and
+Δ = rowsum(dO ∘ O), the kernels return dS·b, dSᵀ·a and Pᵀ·dO where dS = P ∘ (dO vᵀ - Δ)
+(FlashAttention-2, Dao 2023, Alg. 2); the caller multiplies the first two by ln 2 (exp2 logits).
+
+Shape letters: B batch, T padded query length, S padded key length, N query heads, K kv heads,
+D = 2H q/k width, V value width.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _streaming as st
+from pallas_kernels.pope_attention_config import BlockSizes
+
+
+def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: BlockSizes):
+  """dS·b per query head.
+
+  Args:
+    a: [B, T, N, D]; b: [B, S, K, D]; v: [B, S, K, V]; do: [B, T, N, V] (one dtype).
+    lse, delta: [B, N, T] float32 (forward log-sum-exp, base 2; rowsum(dO ∘ O)).
+    q_pos: [B, T], k_pos: [B, S] float32 positions with padding sentinels.
+    table: [B, T / (2 block_q_dq), 10] int32 from `st.visit_table` (queries resident).
+    blocks: tile sizes.
+
+  Returns:
+    [B, T, N, D] in a's dtype.
+  """
+  bsz, t_len, n_heads, d = a.shape
+  vd = v.shape[-1]
+  group = n_heads // b.shape[2]
+  bq, bk, stages = blocks.block_q_dq, blocks.block_kv_dq, blocks.stages
+  dtype = a.dtype
+
+  def kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, tab_ref,
+             dq_ref, a_smem, do_smem, lse_smem, delta_smem, qpos_smem, b_smem, v_smem,
+             kpos_smem, res_bar, b_bar, v_bar, kpos_bar, consumed):
+    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+    cta, wg = lax.axis_index("q_tiles"), lax.axis_index("wg")
+
+    @pl.when(wg < st.COMPUTE_WGS)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      rows = pl.ds((cta * st.COMPUTE_WGS + wg) * bq, bq)
+      loads = ((a_ref.at[batch, rows, head], a_smem), (do_ref.at[batch, rows, head], do_smem),
+               (lse_ref.at[batch, head, rows], lse_smem),
+               (delta_ref.at[batch, head, rows], delta_smem),
+               (qpos_ref.at[batch, rows], qpos_smem))
+      for i, (src, dst) in enumerate(loads):
+        plgpu.copy_gmem_to_smem(src, dst.at[wg], res_bar.at[i * st.COMPUTE_WGS + wg])
+      for i in range(len(loads)):
+        plgpu.barrier_wait(res_bar.at[i * st.COMPUTE_WGS + wg])
+      lse = st.row_vector(lse_smem.at[wg], 0)
+      dlt = st.row_vector(delta_smem.at[wg], 0)
+      qpos = st.row_vector(qpos_smem.at[wg], 0)
+      ranges = st.read_ranges(tab_ref, batch, cta, wg)
+      u_lo = ranges[0]
+
+      def step(s, dq_acc, mode):
+        slot = st.slot_of(s, u_lo, stages)
+        for bar in (b_bar, v_bar, kpos_bar):
+          plgpu.barrier_wait(bar.at[slot])
+        if mode == "skip":
+          plgpu.barrier_arrive(consumed.at[slot])
+          return dq_acc
+        s_blk = st.matmul(a_smem.at[wg], b_smem.at[slot].transpose((1, 0)), (bq, bk))
+        if mode == "masked":
+          kpos = st.row_vector(kpos_smem.at[slot], 1)
+          visible = st.broadcast(kpos, (bq, bk), 1) <= st.broadcast(qpos, (bq, bk), 0)
+          s_blk = jnp.where(visible, s_blk, st.NEG_INF)
+        p = jnp.exp2(s_blk - st.broadcast(lse, (bq, bk), 0))
+        dp = st.matmul(do_smem.at[wg], v_smem.at[slot].transpose((1, 0)), (bq, bk))
+        ds = p * (dp - st.broadcast(dlt, (bq, bk), 0))
+        dq_acc = st.matmul_acc(dq_acc, ds.astype(dtype), b_smem.at[slot])
+        plgpu.barrier_arrive(consumed.at[slot])
+        return dq_acc
+
+      dq_acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
+      dq_acc = st.compute_loops(ranges, dq_acc, step)
+      a_smem.at[wg][...] = dq_acc.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(a_smem.at[wg], dq_ref.at[batch, rows, head])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == st.COMPUTE_WGS)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+      kv_head = lax.div(head, jnp.int32(group))
+      u_lo, u_hi = tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]
+
+      def issue(s, slot):
+        cols = pl.ds(s * bk, bk)
+        plgpu.copy_gmem_to_smem(b_ref.at[batch, cols, kv_head], b_smem.at[slot], b_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[batch, cols, kv_head], v_smem.at[slot], v_bar.at[slot])
+        plgpu.copy_gmem_to_smem(kpos_ref.at[batch, cols], kpos_smem.at[slot],
+                                kpos_bar.at[slot])
+
+      st.stream(u_lo, u_hi, stages, consumed, issue)
+
+  tf = st.tile_transforms()
+  wgs = st.COMPUTE_WGS
+  scratch = [
+      plgpu.SMEM((wgs, bq, d), dtype, transforms=tf),
+      plgpu.SMEM((wgs, bq, vd), dtype, transforms=tf),
+      plgpu.SMEM((wgs, bq), jnp.float32),
+      plgpu.SMEM((wgs, bq), jnp.float32),
+      plgpu.SMEM((wgs, bq), jnp.float32),
+      plgpu.SMEM((stages, bk, d), dtype, transforms=tf),
+      plgpu.SMEM((stages, bk, vd), dtype, transforms=tf),
+      plgpu.SMEM((stages, bk), jnp.float32),
+      plgpu.Barrier(num_barriers=5 * wgs),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+  ]
+  return plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct(a.shape, dtype),
+      scratch_types=scratch,
+      grid=(n_heads, t_len // (wgs * bq), bsz),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=wgs + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(a, b, v, do, lse, delta, q_pos, k_pos, table)
+
+
+def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: BlockSizes):
+  """dSᵀ·a and Pᵀ·dO per query head (the caller sums a GQA group).
+
+  Args:
+    as in `pope_attention_dq`, except table: [B, S / (2 block_kv_dkv), 10] int32 from
+    `st.visit_table` with keys resident.
+
+  Returns:
+    db [B, S, N, D] and dv [B, S, N, V] in a's dtype.
+  """
+  bsz, t_len, n_heads, d = a.shape
+  s_len, vd = v.shape[1], v.shape[-1]
+  group = n_heads // b.shape[2]
+  bk, bq, stages = blocks.block_kv_dkv, blocks.block_q_dkv, blocks.stages
+  dtype = a.dtype
+
+  def kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, tab_ref,
+             db_ref, dv_ref, b_smem, v_smem, kpos_smem, a_smem, do_smem, lse_smem,
+             delta_smem, qpos_smem, res_bar, a_bar, do_bar, lse_bar, delta_bar, qpos_bar,
+             consumed):
+    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+    cta, wg = lax.axis_index("k_tiles"), lax.axis_index("wg")
+    kv_head = lax.div(head, jnp.int32(group))
+
+    @pl.when(wg < st.COMPUTE_WGS)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      cols = pl.ds((cta * st.COMPUTE_WGS + wg) * bk, bk)
+      loads = ((b_ref.at[batch, cols, kv_head], b_smem), (v_ref.at[batch, cols, kv_head], v_smem),
+               (kpos_ref.at[batch, cols], kpos_smem))
+      for i, (src, dst) in enumerate(loads):
+        plgpu.copy_gmem_to_smem(src, dst.at[wg], res_bar.at[i * st.COMPUTE_WGS + wg])
+      for i in range(len(loads)):
+        plgpu.barrier_wait(res_bar.at[i * st.COMPUTE_WGS + wg])
+      kpos = st.row_vector(kpos_smem.at[wg], 0)
+      ranges = st.read_ranges(tab_ref, batch, cta, wg)
+      u_lo = ranges[0]
+
+      def step(s, carry, mode):
+        slot = st.slot_of(s, u_lo, stages)
+        for bar in (a_bar, do_bar, lse_bar, delta_bar, qpos_bar):
+          plgpu.barrier_wait(bar.at[slot])
+        if mode == "skip":
+          plgpu.barrier_arrive(consumed.at[slot])
+          return carry
+        db_acc, dv_acc = carry
+        s_t = st.matmul(b_smem.at[wg], a_smem.at[slot].transpose((1, 0)), (bk, bq))
+        if mode == "masked":
+          qpos = st.row_vector(qpos_smem.at[slot], 1)
+          visible = st.broadcast(kpos, (bk, bq), 0) <= st.broadcast(qpos, (bk, bq), 1)
+          s_t = jnp.where(visible, s_t, st.NEG_INF)
+        lse = st.row_vector(lse_smem.at[slot], 1)
+        p_t = jnp.exp2(s_t - st.broadcast(lse, (bk, bq), 1))
+        dv_acc = st.matmul_acc(dv_acc, p_t.astype(dtype), do_smem.at[slot])
+        dp_t = st.matmul(v_smem.at[wg], do_smem.at[slot].transpose((1, 0)), (bk, bq))
+        dlt = st.row_vector(delta_smem.at[slot], 1)
+        ds_t = p_t * (dp_t - st.broadcast(dlt, (bk, bq), 1))
+        db_acc = st.matmul_acc(db_acc, ds_t.astype(dtype), a_smem.at[slot])
+        plgpu.barrier_arrive(consumed.at[slot])
+        return db_acc, dv_acc
+
+      db_acc = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
+      dv_acc = plgpu.layout_cast(jnp.zeros((bk, vd), jnp.float32), plgpu.Layout.WGMMA)
+      db_acc, dv_acc = st.compute_loops(ranges, (db_acc, dv_acc), step)
+      b_smem.at[wg][...] = db_acc.astype(dtype)
+      v_smem.at[wg][...] = dv_acc.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(b_smem.at[wg], db_ref.at[batch, cols, head])
+      plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[batch, cols, head])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == st.COMPUTE_WGS)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+      u_lo, u_hi = tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]
+
+      def issue(s, slot):
+        rows = pl.ds(s * bq, bq)
+        for src, dst, bar in ((a_ref.at[batch, rows, head], a_smem, a_bar),
+                              (do_ref.at[batch, rows, head], do_smem, do_bar),
+                              (lse_ref.at[batch, head, rows], lse_smem, lse_bar),
+                              (delta_ref.at[batch, head, rows], delta_smem, delta_bar),
+                              (qpos_ref.at[batch, rows], qpos_smem, qpos_bar)):
+          plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
+
+      st.stream(u_lo, u_hi, stages, consumed, issue)
+
+  tf = st.tile_transforms()
+  wgs = st.COMPUTE_WGS
+  scratch = [
+      plgpu.SMEM((wgs, bk, d), dtype, transforms=tf),
+      plgpu.SMEM((wgs, bk, vd), dtype, transforms=tf),
+      plgpu.SMEM((wgs, bk), jnp.float32),
+      plgpu.SMEM((stages, bq, d), dtype, transforms=tf),
+      plgpu.SMEM((stages, bq, vd), dtype, transforms=tf),
+      plgpu.SMEM((stages, bq), jnp.float32),
+      plgpu.SMEM((stages, bq), jnp.float32),
+      plgpu.SMEM((stages, bq), jnp.float32),
+      plgpu.Barrier(num_barriers=3 * wgs),
+      *(plgpu.Barrier(num_barriers=stages) for _ in range(5)),
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+  ]
+  out_type = (jax.ShapeDtypeStruct((bsz, s_len, n_heads, d), dtype),
+              jax.ShapeDtypeStruct((bsz, s_len, n_heads, vd), dtype))
+  return plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      scratch_types=scratch,
+      grid=(n_heads, s_len // (wgs * bk), bsz),
+      grid_names=("heads", "k_tiles", "batch"),
+      num_threads=wgs + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(a, b, v, do, lse, delta, q_pos, k_pos, table)

@@ -1,0 +1,62 @@
+"""Block sizes of the fused PoPE attention kernels (tuning knobs only; behaviour lives elsewhere).
+
+Shape letters: H PoPE head dim (the kernels see q, k at width 2H), V value head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockSizes:
+  """Tile sizes of the forward, dq and dk/dv kernels.
+
+  Each kernel runs two compute warpgroups per CTA, each owning one resident tile of `block_*`
+  rows, and one memory warpgroup that streams the other operand through `stages` SMEM slots.
+
+  Attributes:
+    block_q, block_kv: forward query rows per warpgroup / streamed key rows per step.
+    block_q_dq, block_kv_dq: dq kernel (resident queries, streamed keys).
+    block_kv_dkv, block_q_dkv: dk/dv kernel (resident keys, streamed queries).
+    stages: SMEM pipeline depth of the streamed operand (>= 2).
+  """
+  block_q: int = 64
+  block_kv: int = 128
+  block_q_dq: int = 64
+  block_kv_dq: int = 64
+  block_kv_dkv: int = 64
+  block_q_dkv: int = 64
+  stages: int = 2
+
+  def __post_init__(self):
+    for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",
+                  "block_q_dkv"):
+      value = getattr(self, field)
+      if value <= 0 or value % 64:
+        raise ValueError(f"BlockSizes.{field} must be a positive multiple of 64, got {value}")
+    if self.stages < 2:
+      raise ValueError(f"BlockSizes.stages must be at least 2, got {self.stages}")
+
+  @property
+  def seq_multiple(self) -> int:
+    """Query and key lengths are zero-padded to a multiple of this."""
+    sizes = (2 * self.block_q, self.block_kv, 2 * self.block_q_dq, self.block_kv_dq,
+             2 * self.block_kv_dkv, self.block_q_dkv)
+    multiple = 1
+    for s in sizes:
+      multiple = multiple * s // _gcd(multiple, s)
+    return multiple
+
+
+def _gcd(a: int, b: int) -> int:
+  while b:
+    a, b = b, a % b
+  return a
+
+
+def default_block_sizes(head_dim: int) -> BlockSizes:
+  """Heuristic default for PoPE head dim H (q/k tiles are 2H wide; SMEM and registers bound)."""
+  if head_dim <= 64:
+    return BlockSizes(block_q=64, block_kv=128, stages=2)
+  return BlockSizes(block_q=64, block_kv=64, stages=2)

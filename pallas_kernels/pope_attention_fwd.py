@@ -1,0 +1,150 @@
+"""Forward kernel of fused PoPE attention: flash attention over the Cartesian PoPE form.
+
+The kernel takes a = [μq cos(tθ-δ), μq sin(tθ-δ)]·scale·log2(e) and b = [μk cos sθ, μk sin sθ]
+(PoPE, arXiv 2509.10534, Eq. 5/6 written as a dot product of 2H-wide vectors) and computes
+O = softmax₂(a bᵀ) v with masking by position, where softmax₂ uses exp2 (the log2(e) is folded
+into a). It also returns the base-2 log-sum-exp per row for the backward kernels.
+
+Shape letters: B batch, T padded query length, S padded key length, N query heads, K kv heads,
+D = 2H q/k width, V value width (a multiple of 64).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _streaming as st
+from pallas_kernels.pope_attention_config import BlockSizes
+
+
+def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
+  """Runs the forward kernel.
+
+  Args:
+    a: [B, T, N, D] bf16/fp16 scaled Cartesian queries.
+    b: [B, S, K, D] Cartesian keys, same dtype.
+    v: [B, S, K, V] values, same dtype.
+    q_pos: [B, T] float32 query positions (padding rows: st.QUERY_PAD).
+    k_pos: [B, S] float32 key positions (padding rows: st.KEY_PAD).
+    table: [B, T / (2 block_q), 10] int32 from `st.visit_table`.
+    blocks: tile sizes.
+
+  Returns:
+    out [B, T, N, V] in a's dtype (zero rows where no key is visible) and
+    lse [B, N, T] float32 base-2 log-sum-exp (1e30 where no key is visible).
+  """
+  bsz, t_len, n_heads, d = a.shape
+  _, s_len, kv_heads, vd = v.shape
+  group = n_heads // kv_heads
+  bq, bk, stages = blocks.block_q, blocks.block_kv, blocks.stages
+  n_ctas = t_len // (st.COMPUTE_WGS * bq)
+  dtype = a.dtype
+
+  def kernel(a_ref, b_ref, v_ref, qpos_ref, kpos_ref, tab_ref, o_ref, lse_ref,
+             a_smem, o_smem, qpos_smem, lse_smem, b_smem, v_smem, kpos_smem,
+             a_bar, qpos_bar, b_bar, v_bar, kpos_bar, consumed):
+    batch = lax.axis_index("batch")
+    head = lax.axis_index("heads")
+    cta = lax.axis_index("q_tiles")
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg < st.COMPUTE_WGS)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      t0 = (cta * st.COMPUTE_WGS + wg) * bq
+      rows = pl.ds(t0, bq)
+      plgpu.copy_gmem_to_smem(a_ref.at[batch, rows, head], a_smem.at[wg], a_bar.at[wg])
+      plgpu.copy_gmem_to_smem(qpos_ref.at[batch, rows], qpos_smem.at[wg], qpos_bar.at[wg])
+      plgpu.barrier_wait(a_bar.at[wg])
+      plgpu.barrier_wait(qpos_bar.at[wg])
+      qpos = st.row_vector(qpos_smem.at[wg], 0)
+      ranges = st.read_ranges(tab_ref, batch, cta, wg)
+      u_lo = ranges[0]
+
+      def step(s, carry, mode):
+        slot = st.slot_of(s, u_lo, stages)
+        plgpu.barrier_wait(b_bar.at[slot])
+        plgpu.barrier_wait(v_bar.at[slot])
+        plgpu.barrier_wait(kpos_bar.at[slot])
+        if mode == "skip":
+          plgpu.barrier_arrive(consumed.at[slot])
+          return carry
+        acc, m_i, l_i = carry
+        s_blk = st.matmul(a_smem.at[wg], b_smem.at[slot].transpose((1, 0)), (bq, bk))
+        if mode == "masked":
+          kpos = st.row_vector(kpos_smem.at[slot], 1)
+          visible = st.broadcast(kpos, (bq, bk), 1) <= st.broadcast(qpos, (bq, bk), 0)
+          s_blk = jnp.where(visible, s_blk, st.NEG_INF)
+        m_new = jnp.maximum(m_i, s_blk.max(axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(s_blk - st.broadcast(m_new, (bq, bk), 0))
+        l_i = l_i * alpha + p.sum(axis=1)
+        acc = acc * st.broadcast(alpha, (bq, vd), 0)
+        acc = st.matmul_acc(acc, p.astype(dtype), v_smem.at[slot])
+        plgpu.barrier_arrive(consumed.at[slot])
+        return acc, m_new, l_i
+
+      acc = plgpu.layout_cast(jnp.zeros((bq, vd), jnp.float32), plgpu.Layout.WGMMA)
+      m_i = plgpu.layout_cast(jnp.full((bq,), st.M_INIT, jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1))
+      l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+      acc, m_i, l_i = st.compute_loops(ranges, (acc, m_i, l_i), step)
+
+      empty = l_i == 0.0
+      l_safe = jnp.where(empty, 1.0, l_i)
+      o_smem.at[wg][...] = (acc / st.broadcast(l_safe, (bq, vd), 0)).astype(dtype)
+      lse_smem.at[wg][...] = jnp.where(empty, 1e30, m_i + jnp.log(l_safe) * (1 / math.log(2)))
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[batch, rows, head])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, rows])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == st.COMPUTE_WGS)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+      kv_head = lax.div(head, jnp.int32(group))
+      u_lo, u_hi = tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]
+
+      def issue(s, slot):
+        cols = pl.ds(s * bk, bk)
+        plgpu.copy_gmem_to_smem(b_ref.at[batch, cols, kv_head], b_smem.at[slot], b_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[batch, cols, kv_head], v_smem.at[slot], v_bar.at[slot])
+        plgpu.copy_gmem_to_smem(kpos_ref.at[batch, cols], kpos_smem.at[slot],
+                                kpos_bar.at[slot])
+
+      st.stream(u_lo, u_hi, stages, consumed, issue)
+
+  tf = st.tile_transforms()
+  scratch = [
+      plgpu.SMEM((st.COMPUTE_WGS, bq, d), dtype, transforms=tf),
+      plgpu.SMEM((st.COMPUTE_WGS, bq, vd), dtype, transforms=tf),
+      plgpu.SMEM((st.COMPUTE_WGS, bq), jnp.float32),
+      plgpu.SMEM((st.COMPUTE_WGS, bq), jnp.float32),
+      plgpu.SMEM((stages, bk, d), dtype, transforms=tf),
+      plgpu.SMEM((stages, bk, vd), dtype, transforms=tf),
+      plgpu.SMEM((stages, bk), jnp.float32),
+      plgpu.Barrier(num_barriers=st.COMPUTE_WGS),
+      plgpu.Barrier(num_barriers=st.COMPUTE_WGS),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_arrivals=st.COMPUTE_WGS, num_barriers=stages),
+  ]
+  out_type = (jax.ShapeDtypeStruct((bsz, t_len, n_heads, vd), dtype),
+              jax.ShapeDtypeStruct((bsz, n_heads, t_len), jnp.float32))
+  return plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      scratch_types=scratch,
+      grid=(n_heads, n_ctas, bsz),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=st.COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(a, b, v, q_pos, k_pos, table)
