@@ -222,3 +222,77 @@ def pope_cartesian(
     ang = ang + phase.astype(jnp.float32)
   mag = pope_magnitudes(x)
   return jnp.concatenate([mag * jnp.cos(ang), mag * jnp.sin(ang)], axis=-1)
+
+
+def yarn_attention_factor(factor: float, attention_factor: float | None = None) -> float:
+  """YaRN's attention temperature: 0.1·ln(s) + 1 for s > 1, else 1 (YaRN Eq. 22).
+
+  Hugging Face multiplies both cos and sin by this factor, so q·k logits are scaled by its square
+  (the paper's 1/t with sqrt(1/t) = 0.1·ln(s) + 1). An explicit `attention_factor` is returned
+  verbatim, as in `transformers.modeling_rope_utils._compute_yarn_parameters`.
+
+  Args:
+    factor: the context extension factor s.
+    attention_factor: None (derive from s) or an explicit value used as is.
+
+  Returns:
+    The factor applied to q and to k (the logits get its square).
+  """
+  if attention_factor is not None:
+    return float(attention_factor)
+  return 1.0 if factor <= 1.0 else 0.1 * math.log(factor) + 1.0
+
+
+def yarn_frequencies(
+    head_dim: int,
+    base: float,
+    factor: float,
+    original_max_position: int,
+    *,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    truncate: bool = True,
+) -> Array:
+  """YaRN "NTK-by-parts" RoPE frequencies (Peng et al., arXiv 2309.00071, §3.2 Eq. 17-19).
+
+  Frequencies that turn more than β_fast times over the original context keep their value
+  (extrapolation); those turning fewer than β_slow times are divided by s (interpolation); a linear
+  ramp over the pair index blends the two in between. The ramp bounds are the pair indices
+  d(r) = H·ln(L_orig / (2π r)) / (2 ln base) for r = β_fast and β_slow, floored/ceiled when
+  `truncate` and clipped to [0, H - 1], exactly as Hugging Face's `_compute_yarn_parameters`.
+
+  Args:
+    head_dim: H, even.
+    base: RoPE base.
+    factor: context extension factor s (> 0; s = 1 returns the RoPE frequencies).
+    original_max_position: the context length L_orig the model was trained at.
+    beta_fast, beta_slow: rotation counts bounding the ramp (YaRN defaults 32 and 1).
+    truncate: floor/ceil the ramp bounds (Hugging Face default True).
+
+  Returns:
+    [H/2] float32 frequencies, for `apply_rope(..., frequencies=...)`.
+
+  Raises:
+    ValueError: if factor or original_max_position is not positive, or beta_fast <= beta_slow.
+  """
+  if not factor > 0:
+    raise ValueError(f"YaRN factor must be positive, got {factor}")
+  if original_max_position <= 0:
+    raise ValueError(f"original_max_position must be positive, got {original_max_position}")
+  if not beta_fast > beta_slow > 0:
+    raise ValueError(f"need beta_fast > beta_slow > 0, got {beta_fast} and {beta_slow}")
+  freqs = rope_frequencies(head_dim, base)
+
+  def correction_dim(rotations: float) -> float:
+    return head_dim * math.log(original_max_position / (rotations * 2 * math.pi)) / (
+        2 * math.log(base))
+
+  low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+  if truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, head_dim - 1)
+  if low == high:
+    high += 0.001  # As Hugging Face: avoid a zero-width ramp.
+  ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+  extrapolation = 1.0 - ramp                       # 1: keep θ_i, 0: θ_i / s.
+  return freqs / factor * ramp + freqs * extrapolation
