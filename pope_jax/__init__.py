@@ -6,10 +6,10 @@ Public API: encodings (`apply_rope`, `pope_cartesian`, frequencies), attention o
 """
 
 from pope_jax.attention import dot_product_attention_reference, pope_attention, rope_attention
-from pope_jax.config import MODEL_PRESETS, ModelConfig, TrainConfig
+from pope_jax.config import MODEL_PRESETS, ModelConfig, TrainConfig, YarnConfig
 from pope_jax.encodings import (
     apply_rope, clamp_phase_bias, init_phase_bias, pope_cartesian, pope_frequencies,
-    rope_frequencies, scale_frequencies)
+    rope_frequencies, scale_frequencies, yarn_attention_factor, yarn_frequencies)
 from pope_jax.layers import PositionalAttention
 from pope_jax.model import Transformer, layer_multipliers
 
@@ -17,5 +17,6 @@ __all__ = [
     "MODEL_PRESETS", "ModelConfig", "PositionalAttention", "TrainConfig", "Transformer",
     "apply_rope", "clamp_phase_bias", "dot_product_attention_reference", "init_phase_bias",
     "layer_multipliers", "pope_attention", "pope_cartesian", "pope_frequencies",
-    "rope_attention", "rope_frequencies", "scale_frequencies",
+    "rope_attention", "rope_frequencies", "scale_frequencies", "YarnConfig",
+    "yarn_attention_factor", "yarn_frequencies",
 ]

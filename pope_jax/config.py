@@ -13,6 +13,34 @@ POS_ENCODINGS = ("rope", "pope", "none")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class YarnConfig:
+  """YaRN RoPE scaling (Peng et al., arXiv 2309.00071); see `encodings.yarn_frequencies`.
+
+  Attributes:
+    factor: context extension factor s.
+    original_max_position: the training context length the ramp is computed from.
+    beta_fast, beta_slow: ramp bounds in rotations over the original context (32 and 1).
+    attention_factor: None (0.1·ln(s) + 1) or an explicit value used verbatim; q and k are each
+      scaled by it (logits by its square), as Hugging Face scales cos and sin.
+  """
+  factor: float
+  original_max_position: int
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  attention_factor: float | None = None
+
+  def __post_init__(self):
+    if not self.factor > 0:
+      raise ValueError(f"YarnConfig.factor must be positive, got {self.factor}")
+    if self.original_max_position <= 0:
+      raise ValueError(f"YarnConfig.original_max_position must be positive, got "
+                       f"{self.original_max_position}")
+    if not self.beta_fast > self.beta_slow > 0:
+      raise ValueError(f"YarnConfig needs beta_fast > beta_slow > 0, got {self.beta_fast} and "
+                       f"{self.beta_slow}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
   """A decoder-only Transformer with pre-norm RMSNorm blocks.
 
@@ -30,6 +58,7 @@ class ModelConfig:
     dtype: compute dtype ("float32" or "bfloat16"); params stay float32.
     attention_implementation: passed to `pope_attention` (None = best available).
     rope_layout: "half" (Hugging Face) or "interleaved".
+    rope_yarn: None, or YaRN frequency interpolation and attention temperature (RoPE only).
   """
   vocab_size: int
   num_layers: int
@@ -47,6 +76,7 @@ class ModelConfig:
   dtype: str = "float32"
   attention_implementation: str | None = None
   rope_layout: str = "half"
+  rope_yarn: YarnConfig | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "d_model", "num_heads"):
@@ -71,6 +101,9 @@ class ModelConfig:
     if self.rope_layout not in ("half", "interleaved"):
       raise ValueError(f"ModelConfig.rope_layout must be 'half' or 'interleaved', got "
                        f"{self.rope_layout!r}")
+    if self.rope_yarn is not None and self.pos_encoding != "rope":
+      raise ValueError(f"ModelConfig.rope_yarn needs pos_encoding='rope', got "
+                       f"{self.pos_encoding!r}")
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f"ModelConfig.dropout_rate must be in [0, 1), got {self.dropout_rate}")
 

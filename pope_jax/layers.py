@@ -5,6 +5,8 @@ Shape letters: B batch, T length, D model width, N query heads, K kv heads, H he
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -24,6 +26,8 @@ class PositionalAttention(nn.Module):
     delta_init: PoPE δ init, "uniform" (U(-2π, 0)) or "zeros". δ is a [N, H] float32 parameter
       named "delta", one per layer (PoPE §3), clamped to [-2π, 0] in the forward.
     rope_layout: "half" or "interleaved".
+    rope_yarn: None or a `config.YarnConfig`: RoPE uses YaRN frequencies and the logits are
+      scaled by attention_factor² (q and k each by the factor, once).
     attention_implementation: passed to `pope_attention` (None = best available).
     dtype: compute dtype.
   """
@@ -35,6 +39,7 @@ class PositionalAttention(nn.Module):
   pope_base: float = 10000.0
   delta_init: str = "uniform"
   rope_layout: str = "half"
+  rope_yarn: object | None = None
   attention_implementation: str | None = None
   dtype: jnp.dtype = jnp.float32
 
@@ -65,8 +70,15 @@ class PositionalAttention(nn.Module):
       out = attention.pope_attention(q, k, v, delta, base=self.pope_base,
                                      implementation=self.attention_implementation, **common)
     elif self.pos_encoding == "rope":
+      yarn, rope = self.rope_yarn, {}
+      if yarn is not None:
+        rope["frequencies"] = encodings.yarn_frequencies(
+            h, self.rope_base, yarn.factor, yarn.original_max_position,
+            beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow)
+        rope["scale"] = encodings.yarn_attention_factor(
+            yarn.factor, yarn.attention_factor) ** 2 / math.sqrt(h)
       out = attention.rope_attention(q, k, v, base=self.rope_base, layout=self.rope_layout,
-                                     **common)
+                                     **rope, **common)
     elif self.pos_encoding == "none":
       mask = attention.attention_mask(jnp.asarray(positions), jnp.asarray(positions),
                                       is_causal=True)

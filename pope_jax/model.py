@@ -53,7 +53,7 @@ class Block(nn.Module):
     h = PositionalAttention(
         num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_size,
         pos_encoding=cfg.pos_encoding, rope_base=cfg.rope_base, pope_base=cfg.pope_base,
-        delta_init=cfg.delta_init, rope_layout=cfg.rope_layout,
+        delta_init=cfg.delta_init, rope_layout=cfg.rope_layout, rope_yarn=cfg.rope_yarn,
         attention_implementation=cfg.attention_implementation, dtype=dtype, name="attn",
     )(h, positions=positions, multiplier=multiplier)
     x = x + nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
