@@ -591,3 +591,63 @@ def load_scales(path: str) -> np.ndarray:
 def load_multipliers(path: str) -> np.ndarray:
   """Frequency multipliers 1/s [L] float32 from a results.json."""
   return bezier.scales_to_multipliers(load_scales(path))
+
+
+# ----------------------------------------------------------------------------------------------
+# Adapters for models that take `rope_multipliers`.
+
+
+def llama_forward(model) -> ForwardFn:
+  """ForwardFn of an `lpes_jax.llama.Llama`: logits of the last W positions only (the LM head
+  is applied to the final normed hidden states of those positions, not to the whole sequence)."""
+
+  def forward(params, tokens, mask, multipliers, window):
+    _, state = model.apply({"params": params}, tokens, attention_mask=mask,
+                           rope_multipliers=multipliers, last_token_only=True,
+                           mutable=["intermediates"])
+    h = state["intermediates"]["hidden_states"][-1][:, -window:]             # [B, W, D]
+    if model.config.tie_word_embeddings:
+      w = params["embed_tokens"]["embedding"].T                              # [D, V]
+    else:
+      w = params["lm_head"]["kernel"]
+    return jnp.einsum("bwd,dv->bwv", h, w.astype(h.dtype)).astype(jnp.float32)
+
+  return forward
+
+
+def llama_greedy(model) -> GreedyFn:
+  """GreedyFn of an `lpes_jax.llama.Llama`: prefill with a KV cache, then `lax.scan` over
+  single-token steps (traceable, so it can be vmapped over candidates)."""
+  from lpes_jax.llama import init_kv_cache
+
+  def greedy(params, tokens, mask, multipliers, num_new):
+    B, T = tokens.shape
+    cache = init_kv_cache(model.config, B, T + num_new)
+    logits, cache = model.apply({"params": params}, tokens, attention_mask=mask,
+                                rope_multipliers=multipliers, kv_cache=cache,
+                                last_token_only=True)
+    first = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)             # [B]
+
+    def step(carry, _):
+      tok, cache = carry
+      logits, cache = model.apply({"params": params}, tok[:, None],
+                                  attention_mask=jnp.ones((B, 1), bool),
+                                  rope_multipliers=multipliers, kv_cache=cache,
+                                  last_token_only=True)
+      nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+      return (nxt, cache), nxt
+
+    _, rest = jax.lax.scan(step, (first, cache), None, length=num_new - 1)
+    return jnp.concatenate([first[:, None], rest.T], axis=1)                 # [B, num_new]
+
+  return greedy
+
+
+def full_logits_forward(apply_fn) -> ForwardFn:
+  """ForwardFn from any `apply_fn(params, tokens, mask, multipliers) → logits [B, T, V]` (e.g.
+  the PoPE `pope_jax.model.Transformer`): computes all logits and keeps the last W."""
+
+  def forward(params, tokens, mask, multipliers, window):
+    return apply_fn(params, tokens, mask, multipliers)[:, -window:].astype(jnp.float32)
+
+  return forward
