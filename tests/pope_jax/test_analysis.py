@@ -1,0 +1,60 @@
+"""Frequency-usage analysis: magnitudes by hand, and capture from a real model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pope_jax import analysis
+from pope_jax.config import ModelConfig
+from pope_jax.model import Transformer
+
+
+def test_frequency_magnitudes_by_hand():
+  x = jnp.array([3.0, 0.0, 1.0, 4.0, 2.0, 5.0])   # H = 6
+  # Half-split pairs (0, 3), (1, 4), (2, 5): |(3, 4)| = 5, |(0, 2)| = 2, |(1, 5)| = sqrt(26).
+  np.testing.assert_allclose(analysis.frequency_magnitudes(x, "rope"), [5, 2, np.sqrt(26)],
+                             rtol=1e-6)
+  # Interleaved pairs (0, 1), (2, 3), (4, 5).
+  np.testing.assert_allclose(analysis.frequency_magnitudes(x, "rope", rope_layout="interleaved"),
+                             [3, np.sqrt(17), np.sqrt(29)], rtol=1e-6)
+  np.testing.assert_allclose(analysis.frequency_magnitudes(x, "pope"), np.log1p(np.exp(x)),
+                             rtol=1e-6)
+  with pytest.raises(ValueError):
+    analysis.frequency_magnitudes(x, "none")
+
+
+@pytest.mark.parametrize("enc", ["rope", "pope"])
+def test_frequency_usage_matches_manual_projection(enc):
+  cfg = ModelConfig(vocab_size=13, num_layers=2, d_model=16, num_heads=2, num_kv_heads=1,
+                    pos_encoding=enc)
+  tokens = jax.random.randint(jax.random.key(0), (2, 5), 0, 13)
+  params = Transformer(cfg).init(jax.random.key(1), tokens)["params"]
+  weights = np.ones((2, 5), np.float32)
+  weights[1, 3:] = 0.0                                        # padding left out of the mean
+  usage = analysis.frequency_usage(cfg, params, [{"inputs": tokens, "weights": weights}])
+  f = 4 if enc == "rope" else 8
+  assert usage["query"].shape == (2, f) and usage["key"].shape == (2, f)
+  assert usage["frequencies"].shape == (f,) and usage["frequencies"][0] == 1.0
+  # Layer 0 by hand: its input is RMSNorm(embedding).
+  p0 = params["block_0"]
+  x = params["embed"]["embedding"][tokens]
+  x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * p0["attn_norm"]["scale"]
+  k = jnp.einsum("btd,dnh->btnh", x, p0["attn"]["key"]["kernel"])     # [B, T, 1, 8]
+  mag = analysis.frequency_magnitudes(k, enc)
+  want = (mag.mean(2) * weights[..., None]).sum((0, 1)) / weights.sum()
+  np.testing.assert_allclose(usage["key"][0], want, rtol=1e-4)
+  # Two batches give the token-weighted mean of the two.
+  both = analysis.frequency_usage(cfg, params, [{"inputs": tokens, "weights": weights}] * 2)
+  np.testing.assert_allclose(both["query"], usage["query"], rtol=1e-6)
+
+
+def test_frequency_usage_errors():
+  cfg = ModelConfig(vocab_size=5, num_layers=1, d_model=8, num_heads=2, pos_encoding="none")
+  with pytest.raises(ValueError, match="pos_encoding"):
+    analysis.frequency_usage(cfg, {}, [])
+  cfg = ModelConfig(vocab_size=5, num_layers=1, d_model=8, num_heads=2, pos_encoding="pope")
+  params = Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 3), jnp.int32))["params"]
+  with pytest.raises(ValueError, match="non-zero weight"):
+    analysis.frequency_usage(cfg, params, [{"inputs": np.zeros((1, 3), np.int32),
+                                            "weights": np.zeros((1, 3), np.float32)}])
