@@ -1,0 +1,148 @@
+"""pope_attention / rope_attention (xla reference): closed form, invariances, masks, gradients."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from pope_jax import attention, encodings
+
+softplus = lambda x: np.log1p(np.exp(x))
+
+
+def _qkv(b=2, t=5, s=5, n=2, k=2, h=8, seed=0, dtype=jnp.float32):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  return (jax.random.normal(ks[0], (b, t, n, h), dtype), jax.random.normal(ks[1], (b, s, k, h), dtype),
+          jax.random.normal(ks[2], (b, s, k, h), dtype),
+          jax.random.uniform(ks[3], (n, h), jnp.float32, -2 * math.pi, 0.0))
+
+
+def _probs(q, k, delta, **kw):
+  """Attention weights, read out by using one-hot values."""
+  s = k.shape[1]
+  v = jnp.broadcast_to(jnp.eye(s), (k.shape[0], k.shape[2], s, s)).transpose(0, 2, 1, 3)
+  return attention.pope_attention(q, k, v, delta, implementation="xla", **kw)
+
+
+def test_pope_scores_equal_closed_form_double_loop_float64():
+  q, k, _, delta = _qkv(b=1, t=4, s=6, n=1, k=1, h=6)
+  base, scale = 10000.0, 1 / math.sqrt(6)
+  qp, kp = np.array([2, 3, 4, 5]), np.arange(6)
+  qn, kn, dn = (np.asarray(a, np.float64) for a in (q, k, delta))
+  theta = base ** (-np.arange(6) / 6)
+  scores = np.zeros((4, 6))
+  for t in range(4):
+    for s in range(6):
+      scores[t, s] = sum(softplus(qn[0, t, 0, c]) * softplus(kn[0, s, 0, c])
+                         * math.cos((kp[s] - qp[t]) * theta[c] + dn[0, c]) for c in range(6))
+  expected = np.exp(scale * scores)
+  expected /= expected.sum(-1, keepdims=True)
+  got = _probs(q, k, delta)[0, :, 0]
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_pope_depends_only_on_relative_position():
+  q, k, v, delta = _qkv(t=6, s=6)
+  pos = jnp.arange(6)
+  a = attention.pope_attention(q, k, v, delta, is_causal=True, q_positions=pos, k_positions=pos)
+  b = attention.pope_attention(q, k, v, delta, is_causal=True, q_positions=pos + 777,
+                               k_positions=pos + 777)
+  np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_rope_depends_only_on_relative_position():
+  q, k, v, _ = _qkv(t=6, s=6)
+  pos = jnp.arange(6)
+  a = attention.rope_attention(q, k, v, is_causal=True, q_positions=pos, k_positions=pos)
+  b = attention.rope_attention(q, k, v, is_causal=True, q_positions=pos + 321,
+                               k_positions=pos + 321)
+  np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_delta_is_clamped():
+  q, k, v, delta = _qkv()
+  wild = delta.at[0, 0].set(-50.0).at[1, 3].set(4.0)
+  np.testing.assert_allclose(
+      attention.pope_attention(q, k, v, wild),
+      attention.pope_attention(q, k, v, encodings.clamp_phase_bias(wild)), atol=1e-6)
+
+
+def test_no_delta_equals_zero_delta():
+  q, k, v, delta = _qkv()
+  np.testing.assert_allclose(attention.pope_attention(q, k, v, None),
+                             attention.pope_attention(q, k, v, jnp.zeros_like(delta)), atol=1e-6)
+
+
+def test_gqa_equals_repeated_kv_heads_with_per_query_head_delta():
+  q, k, v, delta = _qkv(n=4, k=2)
+  rep = lambda x: jnp.repeat(x, 2, axis=2)
+  np.testing.assert_allclose(attention.pope_attention(q, k, v, delta, is_causal=True),
+                             attention.pope_attention(q, rep(k), rep(v), delta, is_causal=True),
+                             atol=1e-5)
+
+
+def test_causal_short_query_is_bottom_right_aligned():
+  q, k, v, delta = _qkv(t=7, s=7)
+  full = attention.pope_attention(q, k, v, delta, is_causal=True)
+  tail = attention.pope_attention(q[:, 4:], k, v, delta, is_causal=True)
+  np.testing.assert_allclose(tail, full[:, 4:], atol=1e-5)
+
+
+def test_row_without_visible_key_is_zero_with_finite_gradients():
+  q, k, v, delta = _qkv(t=3, s=4)
+  kw = dict(is_causal=True, q_positions=jnp.array([-1, 0, 5]), k_positions=jnp.arange(4))
+  out = attention.pope_attention(q, k, v, delta, **kw)
+  assert np.all(np.asarray(out[:, 0]) == 0) and np.all(np.isfinite(out))
+  grads = jax.grad(lambda *a: attention.pope_attention(*a, **kw).sum(), argnums=(0, 1, 2, 3))(
+      q, k, v, delta)
+  assert all(np.all(np.isfinite(g)) for g in grads)
+
+
+def test_key_mask_equals_dropping_keys():
+  q, k, v, delta = _qkv(b=1, t=3, s=5)
+  keep = jnp.array([[False, False, True, True, True]])
+  masked = attention.pope_attention(q, k, v, delta, key_mask=keep, q_positions=jnp.arange(3),
+                                    k_positions=jnp.arange(5) - 2)
+  dropped = attention.pope_attention(q, k[:, 2:], v[:, 2:], delta, q_positions=jnp.arange(3),
+                                     k_positions=jnp.arange(3))
+  np.testing.assert_allclose(masked, dropped, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_pope_gradients_match_finite_differences(causal):
+  q, k, v, delta = _qkv(b=1, t=3, s=4, n=2, k=1, h=4)
+  f = lambda q, k, v, d: attention.pope_attention(q, k, v, d, is_causal=causal)
+  check_grads(f, (q, k, v, delta), order=1, modes=("rev",), eps=1e-2, atol=2e-2, rtol=2e-2)
+
+
+def test_rope_gradients_match_finite_differences():
+  q, k, v, _ = _qkv(b=1, t=3, s=3, h=4)
+  check_grads(lambda q, k, v: attention.rope_attention(q, k, v, is_causal=True), (q, k, v),
+              order=1, modes=("rev",), eps=1e-2, atol=2e-2, rtol=2e-2)
+
+
+def test_output_dtype_follows_query():
+  q, k, v, delta = _qkv(dtype=jnp.bfloat16)
+  assert attention.pope_attention(q, k, v, delta).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("call, err, match", [
+    (lambda q, k, v, d: attention.pope_attention(q[0], k, v, d), ValueError, r"\[B, T, N, H\]"),
+    (lambda q, k, v, d: attention.pope_attention(q, k, v[:, :3], d), ValueError, "agree"),
+    (lambda q, k, v, d: attention.pope_attention(q, k, v, d[:1]), ValueError, "delta"),
+    (lambda q, k, v, d: attention.pope_attention(q, k, v, d, q_positions=jnp.arange(2)),
+     ValueError, "q_positions"),
+    (lambda q, k, v, d: attention.pope_attention(q, k, v, d, implementation="magic"),
+     ValueError, "implementation"),
+    (lambda q, k, v, d: attention.pope_attention(q, k, v, d, implementation="pallas",
+                                                 multiplier=0.5), NotImplementedError, "pallas"),
+    (lambda q, k, v, d: attention.rope_attention(q[..., :7], k[..., :7], v), ValueError, "even"),
+    (lambda q, k, v, d: attention.pope_attention(jnp.concatenate([q, q[:, :, :1]], 2), k, v, None),
+     ValueError, "multiple"),
+])
+def test_bad_input(call, err, match):
+  with pytest.raises(err, match=match):
+    call(*_qkv())

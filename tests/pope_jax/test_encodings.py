@@ -1,0 +1,79 @@
+"""RoPE/PoPE encodings: hand-computed cases, frequency definitions, bad input."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pope_jax import encodings
+
+
+def test_rope_frequencies_match_roformer():
+  np.testing.assert_allclose(encodings.rope_frequencies(8, 10000.0),
+                             [1.0, 10000 ** -0.25, 10000 ** -0.5, 10000 ** -0.75], rtol=1e-6)
+
+
+def test_pope_frequencies_are_d_frequencies():
+  f = encodings.pope_frequencies(4, 10000.0)
+  np.testing.assert_allclose(f, [1.0, 10.0 ** -1, 10.0 ** -2, 10.0 ** -3], rtol=1e-6)
+
+
+def test_rope_half_split_matches_hf_rotate_half_by_hand():
+  x = jnp.array([1.0, 2.0, 3.0, 4.0]).reshape(1, 1, 1, 4)
+  out = np.asarray(encodings.apply_rope(x, jnp.array([1]), base=10000.0, layout="half"))[0, 0, 0]
+  c0, s0, c1, s1 = math.cos(1), math.sin(1), math.cos(0.01), math.sin(0.01)
+  # HF: x * cos + rotate_half(x) * sin, rotate_half([a, b]) = [-b, a]; pairs (0, 2), (1, 3).
+  expected = [1 * c0 - 3 * s0, 2 * c1 - 4 * s1, 3 * c0 + 1 * s0, 4 * c1 + 2 * s1]
+  np.testing.assert_allclose(out, expected, rtol=1e-6)
+
+
+def test_rope_interleaved_by_hand():
+  x = jnp.array([1.0, 2.0, 3.0, 4.0]).reshape(1, 1, 1, 4)
+  out = np.asarray(encodings.apply_rope(x, jnp.array([1]), layout="interleaved"))[0, 0, 0]
+  c0, s0, c1, s1 = math.cos(1), math.sin(1), math.cos(0.01), math.sin(0.01)
+  np.testing.assert_allclose(out, [1 * c0 - 2 * s0, 2 * c0 + 1 * s0, 3 * c1 - 4 * s1,
+                                   4 * c1 + 3 * s1], rtol=1e-6)
+
+
+def test_rope_multiplier_is_position_interpolation():
+  x = jax.random.normal(jax.random.key(0), (1, 5, 2, 8))
+  pos = jnp.arange(5) * 2
+  a = encodings.apply_rope(x, pos, multiplier=0.5)
+  b = encodings.apply_rope(x, pos // 2)
+  np.testing.assert_allclose(a, b, atol=1e-6)
+  per_head = encodings.apply_rope(x, pos, multiplier=jnp.array([0.5, 1.0]))
+  np.testing.assert_allclose(per_head[:, :, 0], b[:, :, 0], atol=1e-6)
+  np.testing.assert_allclose(per_head[:, :, 1], encodings.apply_rope(x, pos)[:, :, 1], atol=1e-6)
+
+
+def test_rope_angles_in_float32_for_bf16_inputs():
+  x = jnp.ones((1, 1, 1, 2), jnp.bfloat16)
+  out = encodings.apply_rope(x, jnp.array([10_000]))
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(out, np.float32)[0, 0, 0],
+                             [math.cos(1e4) - math.sin(1e4), math.cos(1e4) + math.sin(1e4)],
+                             atol=1e-2)
+
+
+def test_phase_bias_init_and_clamp():
+  d = encodings.init_phase_bias(jax.random.key(0), (4, 8), "uniform")
+  assert d.dtype == jnp.float32 and float(d.min()) >= -2 * math.pi and float(d.max()) <= 0
+  assert not np.any(encodings.init_phase_bias(jax.random.key(0), (4, 8), "zeros"))
+  np.testing.assert_allclose(encodings.clamp_phase_bias(jnp.array([-10.0, -1.0, 3.0])),
+                             [-2 * math.pi, -1.0, 0.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: encodings.rope_frequencies(7), "even"),
+    (lambda: encodings.apply_rope(jnp.ones((1, 2, 1, 4)), jnp.arange(2), layout="zigzag"),
+     "layout"),
+    (lambda: encodings.init_phase_bias(jax.random.key(0), (2, 2), "normal"), "delta_init"),
+    (lambda: encodings.scale_frequencies(jnp.ones(2), jnp.ones((2, 2))), "multiplier"),
+    (lambda: encodings.apply_rope(jnp.ones((1, 2, 3, 4)), jnp.arange(2),
+                                  multiplier=jnp.ones(2)), "heads"),
+])
+def test_bad_input_is_named(call, match):
+  with pytest.raises(ValueError, match=match):
+    call()
