@@ -86,8 +86,10 @@ def weighted_metrics(logits: Array, batch: Batch) -> dict[str, Array]:
           "weight_sum": jnp.sum(w)}
 
 
-def init_state(model: Transformer, cfg: TrainConfig, seq_len: int) -> TrainState:
-  params = model.init(jax.random.key(cfg.seed), jnp.zeros((1, seq_len), jnp.int32))["params"]
+def init_state(model: Transformer, cfg: TrainConfig, seq_len: int, params=None) -> TrainState:
+  """Fresh optimiser state around `params` (default: a new init from `cfg.seed`)."""
+  if params is None:
+    params = model.init(jax.random.key(cfg.seed), jnp.zeros((1, seq_len), jnp.int32))["params"]
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                     opt_state=make_optimizer(cfg).init(params))
 
@@ -204,6 +206,7 @@ def train_and_evaluate(
     workdir: str | Path,
     resume: bool = False,
     progress: bool = True,
+    init_params: Any = None,
 ) -> TrainResult:
   """Trains a Transformer and evaluates it periodically and at the end.
 
@@ -214,6 +217,8 @@ def train_and_evaluate(
     workdir: folder for `checkpoints/` (orbax) and `metrics.jsonl`.
     resume: continue from the latest checkpoint in workdir (same data order).
     progress: show a tqdm bar.
+    init_params: start from these parameters (fine-tuning) instead of a fresh init; ignored
+      when resuming from a checkpoint.
 
   Returns:
     TrainResult with final params (host), final metrics per split and the logged history.
@@ -234,7 +239,8 @@ def train_and_evaluate(
   seq_len = train_source[0]["inputs"].shape[0]
   model = Transformer(model_config)
 
-  state = jax.jit(lambda: init_state(model, cfg, seq_len), out_shardings=replicated)()
+  state = jax.jit(lambda p: init_state(model, cfg, seq_len, p), out_shardings=replicated)(
+      init_params)
   manager = checkpoint_manager(workdir, cfg, resume=resume)
   if resume:
     state = restore_state(manager, state)
