@@ -1,4 +1,6 @@
-"""Frequency-usage analysis (PoPE §5 "frequency usage"): how strongly each layer uses each frequency.
+"""Analyses of trained models: frequency usage (PoPE §5) and zero-shot length extrapolation.
+
+Frequency usage: how strongly each layer uses each frequency.
 
 For every layer and frequency, the mean magnitude of the query and key components that carry that
 frequency, over the tokens of held-out text and averaged over heads:
@@ -12,12 +14,19 @@ frequency, over the tokens of held-out text and averaged over heads:
 Both lists run from the highest frequency (index 0, θ = 1 rad/token) to the lowest. q and k are
 read from the attention layers' "query"/"key" projections with Flax's `capture_intermediates`.
 
+Length extrapolation (`perplexity_by_length`, PoPE Figure 2): a model trained at context L is
+evaluated on held-out text cut into non-overlapping windows of each evaluation length, every token
+predicted from the window's preceding tokens; the metric is the mean NLL per token of each length.
+
 Shape letters: B batch, T length, N heads, H head dim, F frequencies (H/2 RoPE, H PoPE), L layers.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -117,3 +126,78 @@ def frequency_usage(config: ModelConfig, params: Any,
     raise ValueError("frequency_usage got no token with non-zero weight")
   return {"query": total["query"] / count, "key": total["key"] / count,
           "frequencies": frequencies(config)}
+
+
+def attention_score_bytes(config: ModelConfig, batch_size: int, length: int) -> int:
+  """Bytes of float32 attention scores the reference attention materialises in one layer.
+
+  Logits, masked logits and probabilities of [B, N, T, T] float32 (3 copies): the dominant term
+  of evaluation memory at long contexts with the XLA reference path (the fused PoPE kernel needs
+  far less, so this is an upper bound there).
+  """
+  return 3 * 4 * batch_size * config.num_heads * length * length
+
+
+def default_memory_budget() -> int:
+  """Usable bytes: the first device's memory limit where JAX reports it, else half the host RAM."""
+  stats = jax.devices()[0].memory_stats() or {}
+  if "bytes_limit" in stats:
+    return int(stats["bytes_limit"])
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def perplexity_by_length(config: ModelConfig, params: Any, token_file: str | os.PathLike,
+                         lengths: Sequence[int], *, batch_size: int = 1,
+                         max_windows: int | None = None, dtype: str = "uint16",
+                         memory_budget: int | None = None,
+                         progress: bool = False) -> dict[int, dict[str, float]]:
+  """Zero-shot evaluation of one model at several context lengths (PoPE Figure 2).
+
+  Args:
+    config, params: the model (a `config.rope_yarn` applies YaRN scaling at evaluation).
+    token_file: held-out token file (`pope_jax.data.text` format).
+    lengths: evaluation context lengths.
+    batch_size: windows per forward pass.
+    max_windows: evaluate at most this many windows per length (the first ones), None = all.
+    dtype: token dtype of the file.
+    memory_budget: bytes the attention scores may take (default `default_memory_budget()`).
+    progress: tqdm bar over lengths.
+
+  Returns:
+    {length: {"loss": mean NLL per token, "perplexity": exp(loss), "accuracy", "windows"}}.
+
+  Raises:
+    ValueError: a length whose attention scores would exceed the memory budget (checked for all
+      lengths before any evaluation), or a file shorter than a window.
+  """
+  from tqdm.auto import tqdm
+
+  from pope_jax.data.text import TokenWindowSource
+  from pope_jax.train import weighted_metrics
+
+  budget = default_memory_budget() if memory_budget is None else memory_budget
+  for length in lengths:
+    need = attention_score_bytes(config, batch_size, length)
+    if need > budget:
+      raise ValueError(
+          f"evaluation length {length} at batch {batch_size} needs ~{need / 2**30:.1f} GiB of "
+          f"attention scores per layer, over the {budget / 2**30:.1f} GiB budget; lower the "
+          f"batch size or the length")
+  model = Transformer(config)
+  eval_step = jax.jit(lambda p, b: weighted_metrics(model.apply({"params": p}, b["inputs"]), b))
+  out = {}
+  for length in tqdm(list(lengths), desc="lengths", disable=not progress):
+    source = TokenWindowSource(Path(token_file), length, dtype=dtype)
+    windows = len(source) if max_windows is None else min(len(source), max_windows)
+    total = {"nll_sum": 0.0, "correct_sum": 0.0, "weight_sum": 0.0}
+    for start in range(0, windows, batch_size):
+      recs = [source[i] for i in range(start, min(start + batch_size, windows))]
+      recs += [{k: np.zeros_like(v) for k, v in recs[0].items()}] * (batch_size - len(recs))
+      batch = {k: np.stack([r[k] for r in recs]) for k in recs[0]}
+      m = jax.device_get(eval_step(params, batch))
+      total = {k: total[k] + float(m[k]) for k in total}
+    loss = total["nll_sum"] / total["weight_sum"]
+    out[int(length)] = {"loss": loss, "perplexity": math.exp(loss),
+                        "accuracy": total["correct_sum"] / total["weight_sum"],
+                        "windows": windows}
+  return out
