@@ -1,0 +1,29 @@
+"""Smoke test of `python -m experiments.jsb --preset smoke` (eight real scores, four steps)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("music21")
+
+from experiments import jsb  # noqa: E402
+
+
+def test_jsb_smoke(tmp_path):
+  out = tmp_path / "jsb"
+  args = ["--preset", "smoke", "--out", str(out), "--cache-dir", str(tmp_path / "cache"),
+          "--no-progress"]
+  summary = jsb.main(args)
+  assert set(summary) == {"rope", "pope"}
+  results = json.loads((out / "results.json").read_text())
+  for run in results["runs"]:
+    assert 0 < run["test_nll"] < 10
+    assert run["data"]["vocab_size"] == 90 and sum(run["data"]["pieces"].values()) == 8
+    assert run["config"]["model"]["pos_encoding"] == run["encoding"]
+    assert run["metadata"]["jax"]
+  assert (out / "results.md").read_text().count("|") > 10
+  assert (out / "loss.png").stat().st_size > 1000
+  # A finished run with the same config is reused, not retrained.
+  mtime = (out / "pope" / "result.json").stat().st_mtime_ns
+  assert jsb.main(args + ["--encodings", "pope"]) == {"pope": summary["pope"]}
+  assert (out / "pope" / "result.json").stat().st_mtime_ns == mtime
