@@ -4,10 +4,10 @@
     python -m experiments.indirect_indexing --preset paper       # the paper's configuration
     python -m experiments.indirect_indexing --preset smoke       # < 2 minutes, for tests
 
-Each (encoding, seed) run lives in OUT/<encoding>_seed<seed>/ (orbax checkpoints, metrics.jsonl,
-result.json); `--resume` continues unfinished runs from their latest checkpoint and reuses finished
-ones. Runs can also be started as separate processes on one machine (one encoding/seed each, same
---out) and summarised afterwards with `--summarize`. Outputs: OUT/results.json, OUT/results.md and
+All seeds of one encoding train side by side in one program (vmapped over seeds) in
+OUT/<encoding>/ (orbax checkpoints, run.json, metrics.jsonl, result.json); `--resume` continues
+unfinished runs from their latest checkpoint and reuses finished ones. Encodings can also run as
+separate processes (one `--encodings` each, same --out) and be summarised with `--summarize`. Outputs: OUT/results.json, OUT/results.md and
 OUT/accuracy.png (validation accuracy vs step).
 """
 
@@ -64,40 +64,46 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def run_one(preset: Preset, encoding: str, seed: int, out: Path, *, resume: bool,
-            progress: bool = True) -> dict:
-  """Trains one (encoding, seed) run; returns its result dict (also written to result.json)."""
-  workdir = out / f"{encoding}_seed{seed}"
+def run_encoding(preset: Preset, encoding: str, seeds: list[int], out: Path, *, resume: bool,
+                 progress: bool = True) -> list[dict]:
+  """Trains all seeds of one encoding side by side (vmapped) in OUT/<encoding>/.
+
+  Returns one result dict per seed (also written to OUT/<encoding>/result.json).
+  """
+  workdir = out / encoding
   result_file = workdir / "result.json"
   if resume and result_file.exists():
     done = json.loads(result_file.read_text())
-    if done["config"]["train"]["steps"] == preset.train.steps:
-      return done
+    if done["config"]["train"]["steps"] == preset.train.steps and done["seeds"] == seeds:
+      return done["runs"]
   model_cfg = dataclasses.replace(preset.model, pos_encoding=encoding)
-  train_cfg = dataclasses.replace(preset.train, seed=seed)
-  sources = {split: task.IndirectIndexingSource(preset.task, split, seed=seed)
+  sources = {split: task.IndirectIndexingSource(preset.task, split)
              for split in ("train", "validation", "test")}
-  result = train_and_evaluate(
-      model_cfg, train_cfg, train_source=sources["train"],
+  results = train_and_evaluate(
+      model_cfg, preset.train, train_source=sources["train"],
       eval_sources={"validation": sources["validation"], "test": sources["test"]},
-      workdir=workdir, resume=resume, progress=progress)
-  record = {
-      "encoding": encoding, "seed": seed, "test_accuracy": result.metrics["test"]["accuracy"],
-      "validation_accuracy": result.metrics["validation"]["accuracy"],
-      "test_loss": result.metrics["test"]["loss"], "steps_per_second": result.steps_per_second,
-      "history": result.history,
-      "config": {"task": preset.task, "model": model_cfg, "train": train_cfg},
-      "metadata": common.run_metadata(seed),
-  }
-  common.write_json(result_file, record)
-  return json.loads(json.dumps(common.to_jsonable(record)))
+      workdir=workdir, resume=resume, seeds=seeds, progress=progress)
+  runs = [{"encoding": encoding, "seed": r.seed, "test_accuracy": r.metrics["test"]["accuracy"],
+           "validation_accuracy": r.metrics["validation"]["accuracy"],
+           "test_loss": r.metrics["test"]["loss"], "steps_per_second": r.steps_per_second,
+           "history": r.history} for r in results]
+  common.write_json(result_file, {
+      "encoding": encoding, "seeds": seeds, "runs": runs,
+      "config": {"task": preset.task, "model": model_cfg, "train": preset.train},
+      "metadata": common.run_metadata()})
+  return runs
 
 
-def summarize(out: Path, paper_note: str = "") -> dict:
+def summarize(out: Path) -> dict:
   """Collects OUT/*/result.json into results.json, results.md and accuracy.png."""
-  runs = [json.loads(p.read_text()) for p in sorted(out.glob("*_seed*/result.json"))]
-  if not runs:
-    raise FileNotFoundError(f"no finished runs (*_seed*/result.json) under {out}")
+  files = sorted(out.glob("*/result.json"))
+  if not files:
+    raise FileNotFoundError(f"no finished runs (*/result.json) under {out}")
+  runs, configs = [], {}
+  for f in files:
+    done = json.loads(f.read_text())
+    runs += done["runs"]
+    configs[done["encoding"]] = {"config": done["config"], "metadata": done["metadata"]}
   by_enc: dict[str, list[dict]] = {}
   for r in runs:
     by_enc.setdefault(r["encoding"], []).append(r)
@@ -107,16 +113,17 @@ def summarize(out: Path, paper_note: str = "") -> dict:
     sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
     summary[enc] = {"test_accuracy_mean": statistics.mean(accs), "test_accuracy_sd": sd,
                     "seeds": [r["seed"] for r in rs], "per_seed": accs,
-                    "steps_per_second": statistics.mean(r["steps_per_second"] for r in rs)}
+                    "steps_per_second": rs[0]["steps_per_second"]}
     rows.append([enc, f"{statistics.mean(accs):.2f} ± {sd:.2f}", len(accs),
-                 ", ".join(f"{a:.2f}" for a in accs),
-                 f"{summary[enc]['steps_per_second']:.1f}"])
+                 ", ".join(f"{a:.2f}" for a in accs), f"{rs[0]['steps_per_second']:.1f}"])
   table = common.markdown_table(
-      ["encoding", "test accuracy % (mean ± sd)", "seeds", "per seed", "steps/s"], rows)
+      ["encoding", "test accuracy % (mean ± sd)", "seeds", "per seed",
+       "steps/s (all seeds together)"], rows)
   (out / "results.md").write_text(
       "# Indirect indexing\n\n" + table + "\nPaper (8x512, 100k steps, 3 seeds): RoPE 11.16 ± "
-      "2.45 %, PoPE 94.82 ± 2.91 %.\n" + paper_note)
-  common.write_json(out / "results.json", {"summary": summary, "runs": runs})
+      "2.45 %, PoPE 94.82 ± 2.91 %.\n")
+  common.write_json(out / "results.json", {"summary": summary, "runs": runs,
+                                           "configs": configs})
   _plot(runs, out / "accuracy.png")
   print(table)
   return summary
@@ -181,11 +188,11 @@ def main(argv: list[str] | None = None) -> dict:
       if enc not in ("rope", "pope", "none"):
         raise SystemExit(f"--encodings: unknown encoding {enc!r} (choose from rope, pope, none)")
     seeds = [int(s) for s in args.seeds.split(",")]
-    for seed in seeds:
-      for enc in encodings:
-        r = run_one(preset, enc, seed, args.out, resume=args.resume,
-                    progress=not args.no_progress)
-        print(f"{enc} seed {seed}: test accuracy {100 * r['test_accuracy']:.2f} %", flush=True)
+    for enc in encodings:
+      for r in run_encoding(preset, enc, seeds, args.out, resume=args.resume,
+                            progress=not args.no_progress):
+        print(f"{enc} seed {r['seed']}: test accuracy {100 * r['test_accuracy']:.2f} %",
+              flush=True)
   return summarize(args.out)
 
 

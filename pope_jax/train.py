@@ -12,7 +12,12 @@ batched grain `MapDataset`, so `resume=True` continues from the latest orbax che
 data and dropout randomness as an uninterrupted run. Parameters are replicated and batches sharded
 over a 1-D `jax.sharding.Mesh` of all devices (axis "data"): data parallel, and one CPU device works.
 
-Shape letters: B global batch, C steps per jitted call, T sequence length, V vocabulary.
+Several seeds can train side by side in one program (`seeds=(0, 1, 2)`): the train state gets a
+leading member axis M and the step is `jax.vmap`ped over it, so small models fill a GPU; member m
+uses seed m for init, dropout and data order, exactly as if it had been trained alone.
+
+Shape letters: M seeds trained together, B global batch, C steps per jitted call, T sequence
+length, V vocabulary.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import flax
 import grain
@@ -44,13 +49,14 @@ Batch = Mapping[str, Array]
 @flax.struct.dataclass
 class TrainState:
   step: Array          # [] int32, optimiser steps taken
-  params: Any
-  opt_state: Any
+  params: Any          # leaves [M, ...]
+  opt_state: Any       # leaves [M, ...]
 
 
 @dataclasses.dataclass
 class TrainResult:
-  """What `train_and_evaluate` returns: final params, final metrics per split, and the history."""
+  """One seed's outcome: final params (host), final metrics per split, history, speed."""
+  seed: int
   params: Any
   metrics: dict[str, dict[str, float]]
   history: list[dict[str, float]]
@@ -86,51 +92,60 @@ def weighted_metrics(logits: Array, batch: Batch) -> dict[str, Array]:
           "weight_sum": jnp.sum(w)}
 
 
-def init_state(model: Transformer, cfg: TrainConfig, seq_len: int, params=None) -> TrainState:
-  """Fresh optimiser state around `params` (default: a new init from `cfg.seed`)."""
-  if params is None:
-    params = model.init(jax.random.key(cfg.seed), jnp.zeros((1, seq_len), jnp.int32))["params"]
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                    opt_state=make_optimizer(cfg).init(params))
+def init_state(model: Transformer, cfg: TrainConfig, seeds: Sequence[int], seq_len: int
+               ) -> TrainState:
+  """Parameters and optimiser state of M = len(seeds) models, stacked on a leading axis."""
+  def one(seed):
+    params = model.init(jax.random.key(seed), jnp.zeros((1, seq_len), jnp.int32))["params"]
+    return params, make_optimizer(cfg).init(params)
+  params, opt_state = jax.vmap(one)(jnp.asarray(seeds, jnp.uint32))
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
 
 
 def make_train_step(model: Transformer, cfg: TrainConfig):
-  """Returns `train_step(state, batches) -> (state, metrics)` running C = steps_per_call steps.
+  """Returns `train_step(state, batches, seeds) -> (state, metrics)` for C = steps_per_call steps.
 
-  batches: "inputs", "targets" int32 [C, B, T], "weights" float32 [C, B, T].
+  batches: "inputs", "targets" int32 [M, C, B, T], "weights" float32 [M, C, B, T]; seeds: [M]
+  uint32 (dropout randomness). Metrics are [M, C].
   """
   optimizer = make_optimizer(cfg)
-  dropout_key = jax.random.key(cfg.seed + 1)
 
-  def loss_fn(params, batch, step):
+  def loss_fn(params, batch, dropout_key):
     logits = model.apply({"params": params}, batch["inputs"], deterministic=False,
-                         rngs={"dropout": jax.random.fold_in(dropout_key, step)})
+                         rngs={"dropout": dropout_key})
     m = weighted_metrics(logits, batch)
     return m["nll_sum"] / jnp.maximum(m["weight_sum"], 1.0), m
 
-  def one_step(state: TrainState, batch):
-    grads, m = jax.grad(loss_fn, has_aux=True)(state.params, batch, state.step)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    m["grad_norm"] = optax.global_norm(grads)
-    return TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                      opt_state=opt_state), m
+  def member_steps(params, opt_state, batches, seed, step0):
+    def one_step(carry, batch):
+      params, opt_state, step = carry
+      key = jax.random.fold_in(jax.random.key(seed + 1), step)
+      grads, m = jax.grad(loss_fn, has_aux=True)(params, batch, key)
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      m["grad_norm"] = optax.tree.norm(grads)
+      return (optax.apply_updates(params, updates), opt_state, step + 1), m
+    (params, opt_state, _), ms = jax.lax.scan(one_step, (params, opt_state, step0), batches)
+    return params, opt_state, ms
 
-  def train_step(state, batches):
-    state, ms = jax.lax.scan(one_step, state, batches)
-    return state, ms                                   # metrics stacked over C
+  def train_step(state: TrainState, batches, seeds):
+    params, opt_state, ms = jax.vmap(member_steps, in_axes=(0, 0, 0, 0, None))(
+        state.params, state.opt_state, batches, seeds, state.step)
+    return TrainState(step=state.step + batches["inputs"].shape[1], params=params,
+                      opt_state=opt_state), ms
 
   return train_step
 
 
 def make_eval_step(model: Transformer):
+  """`eval_step(params [M, ...], batch [B, T]) -> metric sums [M]`."""
   def eval_step(params, batch):
     return weighted_metrics(model.apply({"params": params}, batch["inputs"]), batch)
-  return eval_step
+  return jax.vmap(eval_step, in_axes=(0, None))
 
 
-def _train_batches(source, cfg: TrainConfig, start_call: int):
-  """Iterator over stacked batches [C, B, T] from call index `start_call` on (grain)."""
-  ds = (grain.MapDataset.source(source).shuffle(seed=cfg.seed).repeat(None)
+def _train_batches(source, cfg: TrainConfig, seed: int, start_call: int):
+  """Iterator over stacked batches [C, B, T] of one seed from call `start_call` on (grain)."""
+  ds = (grain.MapDataset.source(source).shuffle(seed=seed).repeat(None)
         .batch(cfg.batch_size, drop_remainder=True).batch(cfg.steps_per_call, drop_remainder=True))
   ds = ds.slice(slice(start_call, None)).to_iter_dataset(
       grain.ReadOptions(num_threads=2, prefetch_buffer_size=8))
@@ -153,33 +168,57 @@ def _eval_batches(source, batch_size: int, max_batches: int | None):
 
 
 def evaluate(eval_step, params, sources: Mapping[str, Any], batch_size: int,
-             max_batches: int | None, shard) -> dict[str, dict[str, float]]:
-  """Mean NLL per weighted token and weighted accuracy for each named source."""
-  out = {}
+             max_batches: int | None, shard) -> list[dict[str, dict[str, float]]]:
+  """Per member: mean NLL per weighted token and weighted accuracy for each named source."""
+  members = jax.tree.leaves(params)[0].shape[0]
+  out = [{} for _ in range(members)]
   for name, source in sources.items():
-    total = {"nll_sum": 0.0, "correct_sum": 0.0, "weight_sum": 0.0}
+    total = np.zeros((3, members))
     for batch in _eval_batches(source, batch_size, max_batches):
       m = jax.device_get(eval_step(params, shard(batch)))
-      total = {k: total[k] + float(m[k]) for k in total}
-    w = max(total["weight_sum"], 1.0)
-    out[name] = {"loss": total["nll_sum"] / w, "accuracy": total["correct_sum"] / w}
+      total += np.stack([m["nll_sum"], m["correct_sum"], m["weight_sum"]])
+    for i in range(members):
+      w = max(total[2, i], 1.0)
+      out[i][name] = {"loss": float(total[0, i] / w), "accuracy": float(total[1, i] / w)}
   return out
 
 
-def checkpoint_manager(workdir: Path, cfg: TrainConfig, *, resume: bool) -> ocp.CheckpointManager:
-  """Orbax manager under `workdir/checkpoints`, refusing to mix a fresh run with an old one.
+def _read_history(path: Path, up_to: int) -> list[dict]:
+  """Metrics lines logged up to the resumed step (later ones are recomputed)."""
+  if not path.exists():
+    return []
+  return [r for r in map(json.loads, path.read_text().splitlines()) if r["step"] <= up_to]
+
+
+def checkpoint_manager(workdir: Path, run_info: dict, *, resume: bool) -> ocp.CheckpointManager:
+  """Orbax manager under `workdir/checkpoints`, refusing to mix a run with another one.
+
+  `run_info` (configs and seeds) is written to `workdir/run.json` on a fresh start and compared
+  on resume.
 
   Raises:
     FileExistsError: resume=False but checkpoints exist (pass resume or pick another workdir).
     FileNotFoundError: resume=True but the checkpoint folder is missing or empty.
+    ValueError: resume=True with a configuration that differs from the checkpointed run's.
   """
   path = (workdir / "checkpoints").absolute()
+  info_file = workdir / "run.json"
   exists = path.is_dir() and any(p.name.isdigit() for p in path.iterdir())
   if resume and not exists:
     raise FileNotFoundError(f"--resume: no checkpoint found in {path}")
   if not resume and exists:
     raise FileExistsError(f"{path} already holds checkpoints: resume the run or use another "
                           f"output folder")
+  info = json.loads(json.dumps(run_info, default=str))
+  if resume:
+    saved = json.loads(info_file.read_text()) if info_file.exists() else None
+    if saved is not None and saved != info:
+      diff = sorted(k for k in set(saved) | set(info) if saved.get(k) != info.get(k))
+      raise ValueError(f"cannot resume {workdir}: its run.json differs in {diff}")
+  else:
+    tmp = info_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(info, indent=2))
+    tmp.replace(info_file)
   return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
       max_to_keep=2, create=True, enable_async_checkpointing=False))
 
@@ -205,29 +244,32 @@ def train_and_evaluate(
     eval_sources: Mapping[str, Any],
     workdir: str | Path,
     resume: bool = False,
+    seeds: Sequence[int] | None = None,
     progress: bool = True,
-    init_params: Any = None,
-) -> TrainResult:
-  """Trains a Transformer and evaluates it periodically and at the end.
+) -> list[TrainResult]:
+  """Trains Transformers (one per seed, side by side) and evaluates them periodically.
 
   Args:
     model_config, train_config: see `pope_jax.config`.
     train_source: grain random-access source of records (module docstring).
-    eval_sources: split name → source, evaluated every `eval_every` steps and at the end.
-    workdir: folder for `checkpoints/` (orbax) and `metrics.jsonl`.
+    eval_sources: split name → source, evaluated every `eval_every` steps and at the end (the
+      final evaluation reads whole splits).
+    workdir: folder for `checkpoints/` (orbax), `run.json` and `metrics.jsonl`.
     resume: continue from the latest checkpoint in workdir (same data order).
+    seeds: seeds trained together (vmapped); default `(train_config.seed,)`.
     progress: show a tqdm bar.
-    init_params: start from these parameters (fine-tuning) instead of a fresh init; ignored
-      when resuming from a checkpoint.
 
   Returns:
-    TrainResult with final params (host), final metrics per split and the logged history.
+    One TrainResult per seed, in order.
 
   Raises:
     ValueError: batch size not divisible by the device count, or an unreadable checkpoint.
     FileExistsError / FileNotFoundError: see `checkpoint_manager`.
   """
   cfg = train_config
+  seeds = tuple(int(s) for s in (seeds if seeds is not None else (cfg.seed,)))
+  if not seeds or len(set(seeds)) != len(seeds):
+    raise ValueError(f"seeds must be distinct and non-empty, got {seeds}")
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   devices = jax.devices()
@@ -239,9 +281,11 @@ def train_and_evaluate(
   seq_len = train_source[0]["inputs"].shape[0]
   model = Transformer(model_config)
 
-  state = jax.jit(lambda p: init_state(model, cfg, seq_len, p), out_shardings=replicated)(
-      init_params)
-  manager = checkpoint_manager(workdir, cfg, resume=resume)
+  manager = checkpoint_manager(workdir, {
+      "model": dataclasses.asdict(model_config), "train": dataclasses.asdict(cfg),
+      "seeds": list(seeds), "train_source": f"{type(train_source).__name__}[{len(train_source)}]"},
+      resume=resume)
+  state = jax.jit(lambda: init_state(model, cfg, seeds, seq_len), out_shardings=replicated)()
   if resume:
     state = restore_state(manager, state)
   start = int(state.step)
@@ -252,40 +296,48 @@ def train_and_evaluate(
   def shard(batch, spec=P("data")):
     return jax.device_put(batch, NamedSharding(mesh, spec))
 
-  train_step = jax.jit(make_train_step(model, cfg), donate_argnums=0, out_shardings=(replicated, replicated))
+  train_step = jax.jit(make_train_step(model, cfg), donate_argnums=0,
+                       out_shardings=(replicated, replicated))
   eval_step = jax.jit(make_eval_step(model))
-  batches = _train_batches(train_source, cfg, start // cfg.steps_per_call)
-  history: list[dict[str, float]] = []
-  metrics_file = (workdir / "metrics.jsonl").open("a")
-  bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=str(workdir.name),
+  streams = [_train_batches(train_source, cfg, s, start // cfg.steps_per_call) for s in seeds]
+  seeds_array = jnp.asarray(seeds, jnp.uint32)
+  history = _read_history(workdir / "metrics.jsonl", up_to=start)
+  metrics_file = (workdir / "metrics.jsonl").open("w")
+  metrics_file.writelines(json.dumps(r) + "\n" for r in history)
+  bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=workdir.name,
              dynamic_ncols=True)
   t0, step = time.perf_counter(), start
   while step < cfg.steps:
-    state, m = train_step(state, shard(next(batches), P(None, "data")))
+    batches = jax.tree.map(lambda *b: np.stack(b), *[next(it) for it in streams])  # [M, C, B, T]
+    state, m = train_step(state, shard(batches, P(None, None, "data")), seeds_array)
     step += cfg.steps_per_call
     bar.update(cfg.steps_per_call)
-    record = None
+    records = None
     if step % cfg.log_every == 0 or step == cfg.steps:
       m = jax.device_get(m)
-      record = {"step": step, "train_loss": float(m["nll_sum"][-1] / max(m["weight_sum"][-1], 1)),
-                "grad_norm": float(m["grad_norm"][-1]),
-                "lr": float(learning_rate_schedule(cfg)(step - 1))}
-      bar.set_postfix(loss=f"{record['train_loss']:.3f}")
+      lr = float(learning_rate_schedule(cfg)(step - 1))
+      records = [{"step": step, "seed": s, "lr": lr,
+                  "train_loss": float(m["nll_sum"][i, -1] / max(m["weight_sum"][i, -1], 1.0)),
+                  "grad_norm": float(m["grad_norm"][i, -1])} for i, s in enumerate(seeds)]
+      bar.set_postfix(loss=f"{np.mean([r['train_loss'] for r in records]):.3f}")
     if step % cfg.eval_every == 0 or step == cfg.steps:
-      record = record or {"step": step}
-      for split, em in evaluate(eval_step, state.params, eval_sources, cfg.batch_size,
-                                cfg.eval_batches, shard).items():
-        record.update({f"{split}_{k}": v for k, v in em.items()})
-    if record:
+      records = records or [{"step": step, "seed": s} for s in seeds]
+      for record, em in zip(records, evaluate(eval_step, state.params, eval_sources,
+                                              cfg.batch_size, cfg.eval_batches, shard)):
+        record.update({f"{split}_{k}": v for split, d in em.items() for k, v in d.items()})
+    for record in records or ():
       history.append(record)
       metrics_file.write(json.dumps(record) + "\n")
-      metrics_file.flush()
+    metrics_file.flush()
     if step % cfg.checkpoint_every == 0 or step == cfg.steps:
       manager.save(step, args=ocp.args.StandardSave(state))
   manager.wait_until_finished()
   bar.close()
   metrics_file.close()
   elapsed = time.perf_counter() - t0
+  speed = (cfg.steps - start) / elapsed if cfg.steps > start and elapsed > 0 else math.nan
   final = evaluate(eval_step, state.params, eval_sources, cfg.batch_size, None, shard)
-  return TrainResult(params=jax.device_get(state.params), metrics=final, history=history,
-                     steps_per_second=(cfg.steps - start) / elapsed if elapsed > 0 else math.nan)
+  params = jax.device_get(state.params)
+  return [TrainResult(seed=s, params=jax.tree.map(lambda x: x[i], params), metrics=final[i],
+                      history=[h for h in history if h["seed"] == s], steps_per_second=speed)
+          for i, s in enumerate(seeds)]
