@@ -160,6 +160,10 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--batch-size", type=int, help="override the preset's batch size")
   parser.add_argument("--steps-per-call", type=int, help="steps fused into one jitted call")
   parser.add_argument("--data-workers", type=int, help="grain worker processes")
+  parser.add_argument("--dtype", choices=["float32", "bfloat16"],
+                      help="override the compute dtype (params stay float32)")
+  parser.add_argument("--attention-implementation", choices=["xla", "pallas"],
+                      help="PoPE attention implementation (default: best available)")
   parser.add_argument("--out", type=Path, default=Path("runs/indirect_indexing"))
   parser.add_argument("--resume", action="store_true",
                       help="continue runs from their latest checkpoint in --out")
@@ -183,6 +187,12 @@ def main(argv: list[str] | None = None) -> dict:
                          checkpoint_every=min(train.checkpoint_every, every),
                          log_every=min(train.log_every, every))
       preset = dataclasses.replace(preset, train=dataclasses.replace(train, **overrides))
+    model_overrides = {k: v for k, v in {
+        "dtype": args.dtype, "attention_implementation": args.attention_implementation}.items()
+        if v is not None}
+    if model_overrides:
+      preset = dataclasses.replace(preset, model=dataclasses.replace(preset.model,
+                                                                     **model_overrides))
     encodings = [e.strip() for e in args.encodings.split(",") if e.strip()]
     for enc in encodings:
       if enc not in ("rope", "pope", "none"):

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import flax
+from absl import flags as absl_flags
 import grain
 import jax
 import jax.numpy as jnp
@@ -92,11 +93,15 @@ def weighted_metrics(logits: Array, batch: Batch) -> dict[str, Array]:
           "weight_sum": jnp.sum(w)}
 
 
-def init_state(model: Transformer, cfg: TrainConfig, seeds: Sequence[int], seq_len: int
-               ) -> TrainState:
-  """Parameters and optimiser state of M = len(seeds) models, stacked on a leading axis."""
+def init_state(model: Transformer, cfg: TrainConfig, seeds: Sequence[int], seq_len: int,
+               init_params: Any = None) -> TrainState:
+  """Parameters and optimiser state of M = len(seeds) models, stacked on a leading axis.
+
+  `init_params` (one model's tree) replaces the fresh init of every member (fine-tuning).
+  """
   def one(seed):
-    params = model.init(jax.random.key(seed), jnp.zeros((1, seq_len), jnp.int32))["params"]
+    params = (model.init(jax.random.key(seed), jnp.zeros((1, seq_len), jnp.int32))["params"]
+              if init_params is None else init_params)
     return params, make_optimizer(cfg).init(params)
   params, opt_state = jax.vmap(one)(jnp.asarray(seeds, jnp.uint32))
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
@@ -150,6 +155,8 @@ def _train_batches(source, cfg: TrainConfig, seed: int, start_call: int):
   ds = ds.slice(slice(start_call, None)).to_iter_dataset(
       grain.ReadOptions(num_threads=2, prefetch_buffer_size=8))
   if cfg.data_workers:
+    if not absl_flags.FLAGS.is_parsed():  # grain's workers read absl flags; CLIs here use argparse.
+      absl_flags.FLAGS.mark_as_parsed()
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.data_workers))
   return iter(ds)
 
@@ -246,6 +253,7 @@ def train_and_evaluate(
     resume: bool = False,
     seeds: Sequence[int] | None = None,
     progress: bool = True,
+    init_params: Any = None,
 ) -> list[TrainResult]:
   """Trains Transformers (one per seed, side by side) and evaluates them periodically.
 
@@ -258,6 +266,8 @@ def train_and_evaluate(
     resume: continue from the latest checkpoint in workdir (same data order).
     seeds: seeds trained together (vmapped); default `(train_config.seed,)`.
     progress: show a tqdm bar.
+    init_params: start every seed from these parameters (one model's tree; fine-tuning) instead
+      of a fresh init; a resumed checkpoint takes precedence.
 
   Returns:
     One TrainResult per seed, in order.
@@ -285,7 +295,8 @@ def train_and_evaluate(
       "model": dataclasses.asdict(model_config), "train": dataclasses.asdict(cfg),
       "seeds": list(seeds), "train_source": f"{type(train_source).__name__}[{len(train_source)}]"},
       resume=resume)
-  state = jax.jit(lambda: init_state(model, cfg, seeds, seq_len), out_shardings=replicated)()
+  state = jax.jit(lambda p: init_state(model, cfg, seeds, seq_len, p),
+                  out_shardings=replicated)(init_params)
   if resume:
     state = restore_state(manager, state)
   start = int(state.step)
