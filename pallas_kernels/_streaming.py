@@ -151,7 +151,7 @@ def matmul_acc(acc: jax.Array, a, b) -> jax.Array:
 
 def row_vector(smem_ref, rows_axis: int):
   """Loads a [n] float32 SMEM vector laid out along `rows_axis` of a WGMMA tile."""
-  return plgpu.load(smem_ref, (), layout=plgpu.Layout.WGMMA.reduce(1 - rows_axis))
+  return plgpu.load(smem_ref, layout=plgpu.Layout.WGMMA.reduce(1 - rows_axis))
 
 
 def broadcast(x, shape, axis: int):

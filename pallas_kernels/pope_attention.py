@@ -110,6 +110,36 @@ def _flash_bwd(blocks, res, d_out):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+@functools.partial(jax.jit, static_argnames=("base", "is_causal", "scale", "blocks"))
+def _prepare(q, k, v, delta, q_positions, k_positions, *, base, is_causal, scale, blocks):
+  """Cartesian q', k' (scale·log2 e folded into q'), padded operands, positions and tables."""
+  bsz, t_len, n_heads, h = q.shape
+  s_len, vd = k.shape[1], v.shape[-1]
+  q_pos = jnp.broadcast_to(jnp.asarray(q_positions), (bsz, t_len))
+  k_pos = jnp.broadcast_to(jnp.asarray(k_positions), (bsz, s_len))
+  freqs = base ** (-jnp.arange(h, dtype=jnp.float32) / h)
+  phase = None if delta is None else -jnp.clip(delta.astype(jnp.float32), -_TWO_PI, 0.0)
+  a = _cartesian(q, q_pos, freqs, phase, scale * _LOG2E, q.dtype)
+  b = _cartesian(k, k_pos, freqs, None, 1.0, q.dtype)
+
+  mult = blocks.seq_multiple
+  t_pad, s_pad = -(-t_len // mult) * mult, -(-s_len // mult) * mult
+  v_pad = -(-vd // 64) * 64
+  a = _pad_to(a, t_pad, 1)
+  b = _pad_to(b, s_pad, 1)
+  vp = _pad_to(_pad_to(v, s_pad, 1), v_pad, 3)
+  qp = q_pos.astype(jnp.float32) if is_causal else jnp.full(q_pos.shape, st.QUERY_SEES_ALL)
+  qp = _pad_to(qp, t_pad, 1, st.QUERY_PAD)
+  kp = _pad_to(k_pos.astype(jnp.float32), s_pad, 1, st.KEY_PAD)
+  qp, kp = jax.lax.stop_gradient(qp), jax.lax.stop_gradient(kp)
+  tables = (
+      st.visit_table(qp, kp, blocks.block_q, blocks.block_kv, rows_are_queries=True),
+      st.visit_table(qp, kp, blocks.block_q_dq, blocks.block_kv_dq, rows_are_queries=True),
+      st.visit_table(kp, qp, blocks.block_kv_dkv, blocks.block_q_dkv, rows_are_queries=False),
+  )
+  return a, b, vp, qp, kp, tables
+
+
 def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: bool = False,
                    q_positions=None, k_positions=None, scale: float | None = None,
                    block_sizes: BlockSizes | None = None):
@@ -135,36 +165,16 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
     ValueError: shapes that do not agree.
   """
   _check(q, k, v, delta)
-  bsz, t_len, n_heads, h = q.shape
-  s_len, vd = k.shape[1], v.shape[-1]
+  h = q.shape[-1]
   blocks = default_block_sizes(h) if block_sizes is None else block_sizes
   scale = 1.0 / math.sqrt(h) if scale is None else scale
+  s_len, t_len = k.shape[1], q.shape[1]
   if k_positions is None:
     k_positions = jnp.arange(s_len, dtype=jnp.int32)
   if q_positions is None:
-    q_positions = jnp.arange(s_len - t_len, s_len, dtype=jnp.int32)
-  q_pos = jnp.broadcast_to(jnp.asarray(q_positions), (bsz, t_len))
-  k_pos = jnp.broadcast_to(jnp.asarray(k_positions), (bsz, s_len))
-
-  freqs = base ** (-jnp.arange(h, dtype=jnp.float32) / h)
-  phase = None if delta is None else -jnp.clip(delta.astype(jnp.float32), -_TWO_PI, 0.0)
-  a = _cartesian(q, q_pos, freqs, phase, scale * _LOG2E, q.dtype)
-  b = _cartesian(k, k_pos, freqs, None, 1.0, q.dtype)
-
-  mult = blocks.seq_multiple
-  t_pad, s_pad = -(-t_len // mult) * mult, -(-s_len // mult) * mult
-  v_pad = -(-vd // 64) * 64
-  a = _pad_to(a, t_pad, 1)
-  b = _pad_to(b, s_pad, 1)
-  vp = _pad_to(_pad_to(v, s_pad, 1), v_pad, 3)
-  qp = q_pos.astype(jnp.float32) if is_causal else jnp.full(q_pos.shape, st.QUERY_SEES_ALL)
-  qp = _pad_to(qp, t_pad, 1, st.QUERY_PAD)
-  kp = _pad_to(k_pos.astype(jnp.float32), s_pad, 1, st.KEY_PAD)
-  qp, kp = jax.lax.stop_gradient(qp), jax.lax.stop_gradient(kp)
-  tables = (
-      st.visit_table(qp, kp, blocks.block_q, blocks.block_kv, rows_are_queries=True),
-      st.visit_table(qp, kp, blocks.block_q_dq, blocks.block_kv_dq, rows_are_queries=True),
-      st.visit_table(kp, qp, blocks.block_kv_dkv, blocks.block_q_dkv, rows_are_queries=False),
-  )
+    q_positions = jnp.arange(max(s_len - t_len, 0), max(s_len - t_len, 0) + t_len,
+                             dtype=jnp.int32)
+  a, b, vp, qp, kp, tables = _prepare(q, k, v, delta, q_positions, k_positions, base=base,
+                                      is_causal=is_causal, scale=scale, blocks=blocks)
   out = _flash(a, b, vp, qp, kp, tables, blocks)
-  return out[:, :t_len, :, :vd]
+  return out[:, :t_len, :, :v.shape[-1]]

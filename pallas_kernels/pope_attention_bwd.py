@@ -10,6 +10,8 @@ D = 2H q/k width, V value width.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -20,6 +22,7 @@ from pallas_kernels import _streaming as st
 from pallas_kernels.pope_attention_config import BlockSizes
 
 
+@functools.partial(jax.jit, static_argnames=('blocks',))
 def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: BlockSizes):
   """dS·b per query head.
 
@@ -133,6 +136,7 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
   )(a, b, v, do, lse, delta, q_pos, k_pos, table)
 
 
+@functools.partial(jax.jit, static_argnames=('blocks',))
 def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: BlockSizes):
   """dSᵀ·a and Pᵀ·dO per query head (the caller sums a GQA group).
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -23,6 +25,7 @@ from pallas_kernels import _streaming as st
 from pallas_kernels.pope_attention_config import BlockSizes
 
 
+@functools.partial(jax.jit, static_argnames=('blocks',))
 def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
   """Runs the forward kernel.
 

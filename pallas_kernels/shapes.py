@@ -1,0 +1,56 @@
+"""Named PoPE attention shapes shared by the kernel tests and the benchmark.
+
+Shape letters: B batch, T query length, S key length, N query heads, K kv heads, H head dim,
+V value head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionShape:
+  """One problem: q [B, T, N, H], k [B, S, K, H], v [B, S, K, V]."""
+  batch: int
+  q_len: int
+  k_len: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  value_dim: int
+  is_causal: bool = True
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"AttentionShape.num_heads {self.num_heads} must be a multiple of "
+                       f"num_kv_heads {self.num_kv_heads}")
+    if self.q_len > self.k_len and self.is_causal:
+      raise ValueError(f"AttentionShape.q_len {self.q_len} exceeds k_len {self.k_len}")
+
+  def forward_flops(self) -> float:
+    """PoPE forward FLOPs: 2·T·S·2H (q'k'ᵀ) + 2·T·S·V (PV) per head, halved when causal."""
+    flops = 2.0 * self.batch * self.num_heads * self.q_len * self.k_len * (
+        2 * self.head_dim + self.value_dim)
+    return flops / 2 if self.is_causal else flops
+
+
+def _bench(head_dim: int) -> AttentionShape:
+  return AttentionShape(batch=4, q_len=4096, k_len=4096, num_heads=16, num_kv_heads=16,
+                        head_dim=head_dim, value_dim=head_dim)
+
+
+SHAPES: dict[str, AttentionShape] = {
+    "bench_h64": _bench(64),
+    "bench_h128": _bench(128),
+    # Small problems for GPU correctness checks (lengths off the block grid, GQA, Tq < Tk).
+    "check_h32_gqa": AttentionShape(batch=2, q_len=200, k_len=333, num_heads=4, num_kv_heads=2,
+                                    head_dim=32, value_dim=32),
+    "check_h64": AttentionShape(batch=2, q_len=1000, k_len=1000, num_heads=4, num_kv_heads=4,
+                                head_dim=64, value_dim=64),
+    "check_h64_noncausal": AttentionShape(batch=1, q_len=300, k_len=777, num_heads=4,
+                                          num_kv_heads=1, head_dim=64, value_dim=64,
+                                          is_causal=False),
+    "check_h128": AttentionShape(batch=1, q_len=513, k_len=1024, num_heads=2, num_kv_heads=1,
+                                 head_dim=128, value_dim=128),
+}
