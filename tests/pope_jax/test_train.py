@@ -131,3 +131,14 @@ np.save({str(tmp_path / 'four.npy')!r}, np.concatenate([np.ravel(x) for x in jax
   (one,) = _run(tmp_path / "one")
   flat = np.concatenate([np.ravel(x) for x in _leaves(one.params)])
   np.testing.assert_allclose(np.load(tmp_path / "four.npy"), flat, rtol=2e-4, atol=2e-5)
+
+
+def test_init_params_starts_every_seed_from_given_parameters(tmp_path):
+  from pope_jax.model import Transformer
+  given = Transformer(MODEL).init(jax.random.key(99), np.zeros((1, 8), np.int32))["params"]
+  zero_lr = dataclasses.replace(TRAIN, steps=4, eval_every=4, checkpoint_every=4,
+                                learning_rate=1e-12, min_learning_rate=1e-12, weight_decay=0.0)
+  results = _run(tmp_path, train=zero_lr, seeds=(5, 6), init_params=given)
+  for r in results:            # A vanishing learning rate leaves the given parameters in place.
+    for a, b in zip(_leaves(r.params), _leaves(given)):
+      np.testing.assert_allclose(a, b, atol=1e-6)
