@@ -1,0 +1,111 @@
+"""KV-cache equivalences, left padding, multipliers and vmap on a tiny random Llama (float32)."""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lpes_jax import LlamaConfig, greedy_decode, greedy_generate, init_kv_cache, init_params
+from lpes_jax.llama import Llama
+
+CFG = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+                  num_kv_heads=2, head_dim=8, rope_theta=100.0, qkv_bias=True)
+MULTIPLIERS = {"none": None, "per_layer": jnp.array([1.0, 0.5, 0.8]),
+               "per_head": jnp.linspace(0.4, 1.0, 12).reshape(3, 4)}
+
+
+@pytest.fixture(scope="module")
+def params():
+  return init_params(CFG, jax.random.key(0), scale=0.3)
+
+
+@jax.jit
+def _hidden(params, tokens, m, kv_cache=None):
+  out, state = Llama(CFG).apply({"params": params}, tokens, rope_multipliers=m, kv_cache=kv_cache,
+                                mutable=["intermediates"])
+  return out, jnp.stack(state["intermediates"]["hidden_states"])        # [L+1, B, T, D]
+
+
+@pytest.mark.parametrize("mult", MULTIPLIERS)
+def test_kv_cache_equivalences(params, mult):
+  m = MULTIPLIERS[mult]
+  tokens = jax.random.randint(jax.random.key(1), (2, 11), 0, CFG.vocab_size)
+  full_logits, full_h = _hidden(params, tokens, m)
+  for split in ([5, 1, 1, 1, 1, 1, 1], [4, 3, 1, 1, 1, 1]):   # prefill+steps; prefill+chunk+steps
+    cache = init_kv_cache(CFG, 2, 16)
+    logits, hs, start = [], [], 0
+    for n in split:
+      (lg, cache), h = _hidden(params, tokens[:, start:start + n], m, cache)
+      logits.append(lg)
+      hs.append(h)
+      start += n
+    np.testing.assert_allclose(jnp.concatenate(logits, 1), full_logits, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(jnp.concatenate(hs, 2), full_h, atol=2e-5, rtol=0)
+
+
+def test_multipliers_change_logits_and_vmap(params):
+  model = Llama(CFG)
+  tokens = jax.random.randint(jax.random.key(2), (1, 9), 0, CFG.vocab_size)
+  f = lambda m: model.apply({"params": params}, tokens, rope_multipliers=m)
+  ms = jnp.stack([jnp.ones(3), jnp.array([1.0, 0.5, 0.25])])
+  batched = jax.vmap(f)(ms)
+  np.testing.assert_allclose(batched[0], f(None), atol=1e-5)
+  np.testing.assert_allclose(batched[1], f(ms[1]), atol=1e-5)
+  assert np.abs(batched[0] - batched[1]).max() > 1e-3
+  out, _ = jax.vmap(lambda m: greedy_decode(
+      CFG, params, tokens, jnp.ones_like(tokens, bool), max_new_tokens=3,
+      eos_ids=jnp.zeros((0,), jnp.int32), rope_multipliers=m))(ms)
+  assert out.shape == (2, 1, 3)
+
+
+def test_left_padded_batch_decodes_like_each_prompt_alone(params):
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(1, CFG.vocab_size, n).tolist() for n in (3, 9, 6)]
+  m = MULTIPLIERS["per_layer"]
+  batch = greedy_generate(CFG, params, prompts, max_new_tokens=6, eos_ids=(), rope_multipliers=m,
+                          bucket=16)
+  alone = [greedy_generate(CFG, params, [p], max_new_tokens=6, eos_ids=(), rope_multipliers=m,
+                           bucket=16)[0] for p in prompts]
+  assert batch == alone
+  # Logits of the padded batch equal each prompt alone (float32).
+  apply = jax.jit(lambda t, mask: Llama(CFG).apply({"params": params}, t, attention_mask=mask))
+  toks = np.zeros((3, 9), np.int32)
+  mask = np.zeros((3, 9), bool)
+  for i, p in enumerate(prompts):
+    toks[i, 9 - len(p):], mask[i, 9 - len(p):] = p, True
+  padded = apply(toks, mask)
+  for i, p in enumerate(prompts):
+    single = apply(jnp.asarray([p]), jnp.ones((1, len(p)), bool))
+    np.testing.assert_allclose(padded[i, 9 - len(p):], single[0], atol=2e-5)
+
+
+def test_eos_stops_and_pads(params):
+  prompt = [5, 6, 7]
+  free = greedy_generate(CFG, params, [prompt, prompt], max_new_tokens=6, eos_ids=())[0]
+  stop = free[2]
+  out = greedy_generate(CFG, params, [prompt, prompt], max_new_tokens=6, eos_ids=(stop,))
+  first = free.index(stop)
+  assert out[0] == free[:first + 1] and out[1] == out[0]
+
+
+def test_bf16_runs_with_float32_angles(params):
+  cfg = dataclasses.replace(CFG, dtype="bfloat16")
+  p16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
+  tokens = jnp.arange(1, 9)[None]
+  lg16 = Llama(cfg).apply({"params": p16}, tokens)
+  lg32 = Llama(CFG).apply({"params": params}, tokens)
+  assert lg16.dtype == jnp.float32
+  assert np.abs(np.asarray(lg16) - np.asarray(lg32)).max() < 0.1 * np.abs(np.asarray(lg32)).max()
+
+
+def test_prompt_longer_than_cache_is_an_error(params):
+  with pytest.raises(ValueError, match="KV cache"):
+    greedy_generate(CFG, params, [[1] * 20], max_new_tokens=5, max_cache_len=16)
+  with pytest.raises(ValueError, match="do not fit"):
+    Llama(CFG).apply({"params": params}, jnp.ones((1, 20), jnp.int32),
+                     kv_cache=init_kv_cache(CFG, 1, 16))
+  with pytest.raises(ValueError, match="rope_multipliers"):
+    Llama(CFG).apply({"params": params}, jnp.ones((1, 4), jnp.int32), rope_multipliers=jnp.ones(5))
