@@ -1,0 +1,100 @@
+"""Generation latency of base vs LPES vs PI vs Ms-PoE vs Attention Buckets on one Llama model.
+
+    python -m experiments.lpes_latency --preset llama-7b-shape [--model PATH] --methods base,lpes,ms_poe
+
+A random-weight model of a named shape (or a real checkpoint with --model) greedily generates
+`--new-tokens` tokens after a `--prompt-len` prompt for `--batch` rows. Each method is compiled
+once, then timed `--repeats` times (median reported); LPES uses an arbitrary per-layer scale curve,
+which costs exactly what any curve costs. Writes `<out>/latency.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lpes_jax import baselines, search
+from lpes_jax.config import LlamaConfig
+from lpes_jax.llama import Llama, init_params
+
+PRESETS = {
+    "llama-7b-shape": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                           num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
+                           rope_theta=10000.0, max_position_embeddings=4096),
+    "smollm2-135m-shape": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                               num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                               rope_theta=100000.0, max_position_embeddings=8192,
+                               tie_word_embeddings=True),
+}
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("--preset", choices=tuple(PRESETS), default="llama-7b-shape")
+  p.add_argument("--model", default=None, help="real checkpoint instead of random weights")
+  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--methods", default="base,lpes,pi,ms_poe,buckets")
+  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--prompt-len", type=int, default=2048)
+  p.add_argument("--new-tokens", type=int, default=32)
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--attention", default="jax_nn", choices=("xla", "jax_nn"))
+  p.add_argument("--out", default="runs/lpes_latency")
+  args = p.parse_args(argv)
+  if args.model:
+    from lpes_jax.checkpoints import load_checkpoint
+    cfg, params = load_checkpoint(args.model, dtype=args.dtype, attention_implementation=args.attention)
+  else:
+    cfg = LlamaConfig(**PRESETS[args.preset], dtype=args.dtype,
+                      attention_implementation=args.attention)
+    params = init_params(cfg, jax.random.key(0))
+  model = Llama(cfg)
+  greedy = search.llama_greedy(model)
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (args.batch, args.prompt_len)), jnp.int32)
+  mask = jnp.ones_like(tokens, bool)
+  curve = jnp.asarray(1.0 / np.linspace(1.0, 2.0, cfg.num_layers), jnp.float32)
+  n = args.new_tokens
+  fns = {
+      "base": jax.jit(lambda p, t, m: greedy(p, t, m, None, n)),
+      "lpes": jax.jit(lambda p, t, m, c: greedy(p, t, m, c, n)),
+      "pi": jax.jit(lambda p, t, m: greedy(p, t, m, jnp.float32(1 / 1.5), n)),
+      "ms_poe": jax.jit(lambda p, t, m: jax.vmap(
+          lambda ti, mi, mu: greedy(p, ti[None], mi[None], mu, n)[0])(
+              t, m, baselines.ms_poe_multipliers(model, p, t, m))),
+      "buckets": jax.jit(lambda p, t, m: baselines.buckets_greedy(
+          cfg, baselines.bucket_bases(cfg.rope_theta), p, t, m, n)),
+  }
+  results = {}
+  for name in args.methods.split(","):
+    extra = (curve,) if name == "lpes" else ()
+    t0 = time.perf_counter()
+    jax.block_until_ready(fns[name](params, tokens, mask, *extra))
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(args.repeats):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fns[name](params, tokens, mask, *extra))
+      times.append(time.perf_counter() - t0)
+    results[name] = {"median_s": float(np.median(times)), "times_s": times,
+                     "first_call_s": compile_s}
+    print(f"{name:8s} median {np.median(times) * 1e3:9.2f} ms  (first call {compile_s:.1f} s)",
+          flush=True)
+  if "base" in results:
+    for name, r in results.items():
+      r["ratio_vs_base"] = r["median_s"] / results["base"]["median_s"]
+      print(f"{name:8s} / base = {r['ratio_vs_base']:.3f}")
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "latency.json"), "w") as f:
+    json.dump({"args": vars(args), "config": repr(cfg), "results": results,
+               "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
