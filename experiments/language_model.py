@@ -1,0 +1,251 @@
+"""Language modelling on real text: train RoPE and PoPE Transformers, report validation perplexity.
+
+    python -m experiments.language_model                    # CPU default: Shakespeare, BPE 4096
+    python -m experiments.language_model --preset smoke     # seconds, for tests
+    python -m experiments.language_model --preset paper     # GPT-2-124M shape (GPU)
+    python -m experiments.language_model --preset paper --data-dir /data/owt \\
+        --splits train=train.bin,valid=val.bin                  # nanoGPT OpenWebText token files
+
+By default the data is the `shakespeare` package's complete works (modern edition), split by play
+and tokenised with a byte-level BPE trained on the training plays (`pope_jax.data.text`), written
+once to OUT/data/. `--data-dir` points the same loader at your own uint16 token files instead.
+
+Each encoding's run lives in OUT/<encoding>/ (orbax checkpoints, metrics.jsonl, params.msgpack,
+result.json). A finished run with the same configuration is reused (also by
+`experiments.length_extrapolation` and `experiments.frequency_usage`, given the same --out);
+`--resume` continues an unfinished one from its latest checkpoint. Outputs:
+OUT/results.json, OUT/results.md, OUT/loss.png (validation loss vs step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import flax.serialization
+
+from experiments import common
+from pope_jax.config import MODEL_PRESETS, ModelConfig, TrainConfig
+from pope_jax.data import text
+from pope_jax.train import train_and_evaluate
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Preset:
+  model: ModelConfig                 # vocab_size is replaced by the data's (rounded up to 64).
+  train: TrainConfig
+  seq_len: int
+  tokenizer: str = "bpe"
+  vocab_size: int = 4096             # BPE vocabulary requested.
+  works: tuple[str, ...] | None = None
+  train_stride: int | None = None    # Window stride over train.bin (default seq_len).
+  description: str = ""
+
+
+_GPT2 = MODEL_PRESETS["gpt2_124m"]
+PRESETS: dict[str, Preset] = {
+    # PoPE App. A, OpenWebText 124M: 12 x 768 x 12 heads, delta init 0, batch 64 x 1024, 100k
+    # steps, lr 6e-4 -> 6e-5, 1000 warm-up, beta2 0.95, wd 0.01, clip 1.0. Meant for --data-dir
+    # with OpenWebText; on Shakespeare (1.5M tokens) it overfits long before 100k steps.
+    "paper": Preset(
+        model=dataclasses.replace(_GPT2, dtype="bfloat16"),
+        train=TrainConfig(steps=100_000, batch_size=64, learning_rate=6e-4, min_learning_rate=6e-5,
+                          warmup_steps=1000, b2=0.95, eval_every=2000, eval_batches=50,
+                          checkpoint_every=2000, log_every=100, steps_per_call=10,
+                          data_workers=4),
+        seq_len=1024, vocab_size=16384, train_stride=256,
+        description="GPT-2-124M shape and the paper's OpenWebText schedule (GPU)"),
+    "cpu": Preset(
+        model=dataclasses.replace(_GPT2, num_layers=4, d_model=128, num_heads=4),
+        train=TrainConfig(steps=300, batch_size=8, learning_rate=2e-3, min_learning_rate=2e-4,
+                          warmup_steps=30, b2=0.95, eval_every=100, eval_batches=10,
+                          checkpoint_every=100, log_every=50, steps_per_call=10),
+        seq_len=128, vocab_size=4096, train_stride=64,
+        description="4 layers x 128, context 128, Shakespeare BPE 4096: minutes on 2 CPU cores"),
+    "smoke": Preset(
+        model=dataclasses.replace(_GPT2, num_layers=1, d_model=32, num_heads=2),
+        train=TrainConfig(steps=8, batch_size=4, learning_rate=3e-3, min_learning_rate=3e-4,
+                          warmup_steps=2, b2=0.95, eval_every=4, eval_batches=2,
+                          checkpoint_every=4, log_every=4, steps_per_call=2),
+        seq_len=32, vocab_size=400, works=("sonnets", "tempest", "phoenix_and_the_turtle"),
+        description="a seconds-long run for tests"),
+}
+
+
+def prepare_data(preset: Preset, out: Path, data_dir: Path | None = None,
+                 splits: dict[str, str] | None = None) -> tuple[Path, dict, dict]:
+  """(data folder, meta, split files): OUT/data built from Shakespeare unless data_dir is given."""
+  if data_dir is None:
+    data_dir = out / "data"
+    meta = text.prepare_shakespeare(data_dir, tokenizer=preset.tokenizer,
+                                    vocab_size=preset.vocab_size, works=preset.works)
+    return data_dir, meta, meta["files"]
+  meta_file = data_dir / "meta.json"
+  meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+  return data_dir, meta, splits or meta.get("files") or {"train": "train.bin",
+                                                         "valid": "valid.bin"}
+
+
+def model_config(preset: Preset, encoding: str, meta: dict) -> ModelConfig:
+  vocab = meta.get("vocab_size", preset.model.vocab_size)
+  return dataclasses.replace(preset.model, pos_encoding=encoding,
+                             vocab_size=-(-vocab // 64) * 64)
+
+
+def load_params(path: Path) -> Any:
+  return flax.serialization.msgpack_restore(path.read_bytes())
+
+
+def train_model(preset: Preset, encoding: str, out: Path, *, resume: bool, progress: bool = True,
+                data_dir: Path | None = None, splits: dict[str, str] | None = None,
+                name: str | None = None, model_cfg: ModelConfig | None = None,
+                train_cfg: TrainConfig | None = None, seq_len: int | None = None,
+                init_params: Any = None) -> tuple[dict, Any, ModelConfig]:
+  """Trains (or, with resume and a finished run, reloads) one model.
+
+  Returns:
+    (result record, params, model config). The record is also OUT/<name>/result.json and the
+    params OUT/<name>/params.msgpack.
+  """
+  data_dir, meta, files = prepare_data(preset, out, data_dir, splits)
+  model_cfg = model_cfg or model_config(preset, encoding, meta)
+  train_cfg = train_cfg or preset.train
+  seq_len = seq_len or preset.seq_len
+  workdir = out / (name or encoding)
+  result_file, params_file = workdir / "result.json", workdir / "params.msgpack"
+  config = {"model": model_cfg, "train": train_cfg}
+  if result_file.exists() and params_file.exists():          # Finished with the same config.
+    done = json.loads(result_file.read_text())
+    if done["config"] == json.loads(json.dumps(common.to_jsonable(config))):
+      return done, load_params(params_file), model_cfg
+  sources = text.token_sources(data_dir, seq_len, splits=files,
+                               train_stride=preset.train_stride and min(preset.train_stride, seq_len))
+  extra = {} if init_params is None else {"init_params": init_params}
+  result = train_and_evaluate(
+      model_cfg, train_cfg, train_source=sources["train"],
+      eval_sources={k: v for k, v in sources.items() if k != "train"}, workdir=workdir,
+      resume=resume and (workdir / "checkpoints").exists(), progress=progress, **extra)
+  if isinstance(result, list):                 # One result per seed trained together.
+    result = result[0]
+  params_file.write_bytes(flax.serialization.msgpack_serialize(result.params))
+  record = {
+      "name": name or encoding, "encoding": encoding,
+      "valid_loss": result.metrics["valid"]["loss"],
+      "valid_perplexity": math.exp(result.metrics["valid"]["loss"]),
+      "valid_accuracy": result.metrics["valid"]["accuracy"],
+      "steps_per_second": result.steps_per_second,
+      "tokens_per_second": result.steps_per_second * train_cfg.batch_size * seq_len,
+      "history": result.history, "seq_len": seq_len,
+      "data": {"dir": str(data_dir), "files": files, "tokenizer": meta.get("tokenizer"),
+               "vocab_size": meta.get("vocab_size"), "num_tokens": meta.get("num_tokens"),
+               "split": meta.get("split")},
+      "config": config,
+      "metadata": common.run_metadata(train_cfg.seed),
+  }
+  common.write_json(result_file, record)
+  return json.loads(json.dumps(common.to_jsonable(record))), result.params, model_cfg
+
+
+def summarize(out: Path, runs: list[dict], preset_name: str) -> dict:
+  rows = [[r["encoding"], f"{r['valid_loss']:.4f}", f"{r['valid_perplexity']:.2f}",
+           f"{r['tokens_per_second']:.0f}"] for r in runs]
+  table = common.markdown_table(
+      ["encoding", "valid loss (nats/token)", "valid perplexity", "train tokens/s"], rows)
+  (out / "results.md").write_text(
+      f"# Language modelling ({preset_name} preset)\n\n" + table +
+      "\nPaper (OpenWebText, GPT-2-124M, 100k steps): RoPE 21.55, PoPE 21.33 validation "
+      "perplexity.\n")
+  common.write_json(out / "results.json", {"preset": preset_name, "runs": runs})
+  _plot(runs, out / "loss.png")
+  print(table)
+  return {r["encoding"]: r["valid_perplexity"] for r in runs}
+
+
+def _plot(runs: list[dict], path: Path) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for r in runs:
+    pts = [(h["step"], h["valid_loss"]) for h in r["history"] if "valid_loss" in h]
+    if pts:
+      ax.plot(*zip(*pts), marker="o", label=r["encoding"],
+              color={"rope": "tab:blue", "pope": "tab:red"}.get(r["encoding"]))
+  ax.set_xlabel("step")
+  ax.set_ylabel("validation loss (nats/token)")
+  ax.set_title("Language modelling")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def parse_splits(value: str | None) -> dict[str, str] | None:
+  if not value:
+    return None
+  try:
+    return dict(item.split("=", 1) for item in value.split(","))
+  except ValueError:
+    raise SystemExit(f"--splits must look like train=train.bin,valid=val.bin, got {value!r}")
+
+
+def add_common_flags(parser: argparse.ArgumentParser, default_out: str) -> None:
+  parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+  parser.add_argument("--encodings", default="rope,pope", help="comma-separated rope,pope")
+  parser.add_argument("--steps", type=int, help="override the preset's optimiser steps")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--data-dir", type=Path, help="folder of uint16 token files to use instead")
+  parser.add_argument("--splits", help="split=file pairs in --data-dir, e.g. "
+                                       "train=train.bin,valid=val.bin")
+  parser.add_argument("--out", type=Path, default=Path(default_out))
+  parser.add_argument("--resume", action="store_true",
+                      help="continue unfinished runs from their checkpoints in --out")
+  parser.add_argument("--no-progress", action="store_true")
+  parser.add_argument("--distributed", action="store_true",
+                      help="call jax.distributed.initialize() first (multi-host: run the same "
+                           "command on every host); auto-detected on SLURM/TPU, else give:")
+  parser.add_argument("--coordinator", help="host:port of process 0 (multi-host)")
+  parser.add_argument("--num-processes", type=int, help="number of processes (multi-host)")
+  parser.add_argument("--process-id", type=int, help="this process's index (multi-host)")
+
+
+def resolve_preset(args) -> Preset:
+  if args.distributed:
+    import jax
+    jax.distributed.initialize(coordinator_address=args.coordinator,
+                               num_processes=args.num_processes, process_id=args.process_id)
+  preset = PRESETS[args.preset]
+  train = dataclasses.replace(preset.train, seed=args.seed)
+  if args.steps:
+    spc = train.steps_per_call
+    steps = max(spc, args.steps // spc * spc)
+    every = max(spc, (steps // 4) // spc * spc)
+    train = dataclasses.replace(train, steps=steps, eval_every=min(train.eval_every, every),
+                                checkpoint_every=min(train.checkpoint_every, every),
+                                log_every=min(train.log_every, every))
+  return dataclasses.replace(preset, train=train)
+
+
+def main(argv: list[str] | None = None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  add_common_flags(parser, "runs/language_model")
+  args = parser.parse_args(argv)
+  preset = resolve_preset(args)
+  runs = []
+  for enc in [e.strip() for e in args.encodings.split(",") if e.strip()]:
+    if enc not in ("rope", "pope"):
+      raise SystemExit(f"--encodings: unknown encoding {enc!r}")
+    record, _, _ = train_model(preset, enc, args.out, resume=args.resume,
+                               progress=not args.no_progress, data_dir=args.data_dir,
+                               splits=parse_splits(args.splits))
+    print(f"{enc}: validation perplexity {record['valid_perplexity']:.2f}", flush=True)
+    runs.append(record)
+  return summarize(args.out, runs, args.preset)
+
+
+if __name__ == "__main__":
+  main()
