@@ -232,7 +232,7 @@ class TokenWindowSource:
       seq_len: T.
       stride: window step (default T).
       dtype: token dtype of the file.
-      vocab_size: if given, checked against the file's largest id.
+      vocab_size: if given, checked against the file's largest id (one pass over the file).
 
     Raises:
       ValueError: bad seq_len/stride, a malformed file (see `read_tokens`), a file shorter than
