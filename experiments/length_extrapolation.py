@@ -6,7 +6,8 @@
 
 Models are trained at context L with `experiments.language_model` (runs are shared: the same --out
 reuses finished RoPE/PoPE models) and evaluated on the held-out split at L, 2L, ... 10L
-(non-overlapping windows, `pope_jax.analysis.perplexity_by_length`), for:
+(the same span of text at every length, cut into non-overlapping windows,
+`pope_jax.analysis.perplexity_by_length`), for:
 
 * PoPE and RoPE as trained;
 * RoPE + YaRN, s = 4 (frequencies interpolated with the ramp computed from the original context L,
@@ -39,7 +40,7 @@ class Preset:
   yarn_factor: float
   finetune: TrainConfig
   eval_batch_size: int
-  max_windows: int | None
+  max_tokens: int | None              # evaluation text per length (the same span for all).
   description: str = ""
 
 
@@ -49,7 +50,7 @@ PRESETS: dict[str, Preset] = {
         finetune=TrainConfig(steps=500, batch_size=16, learning_rate=6e-5, min_learning_rate=6e-6,
                              warmup_steps=20, b2=0.95, eval_every=250, eval_batches=20,
                              checkpoint_every=250, log_every=50, steps_per_call=10),
-        eval_batch_size=2, max_windows=64,
+        eval_batch_size=2, max_tokens=64 * 10240,
         description="GPT-2-124M trained at 1024, evaluated to 10 240; YaRN fine-tune 500 steps at "
                     "4096"),
     "cpu": Preset(
@@ -57,14 +58,14 @@ PRESETS: dict[str, Preset] = {
         finetune=TrainConfig(steps=60, batch_size=8, learning_rate=2e-4, min_learning_rate=2e-5,
                              warmup_steps=5, b2=0.95, eval_every=60, eval_batches=5,
                              checkpoint_every=60, log_every=20, steps_per_call=10),
-        eval_batch_size=4, max_windows=48,
+        eval_batch_size=4, max_tokens=48 * 1280,
         description="the language_model cpu models (L = 128) evaluated to 1280"),
     "smoke": Preset(
         lm="smoke", multiples=(1, 3), yarn_factor=4.0,
         finetune=TrainConfig(steps=2, batch_size=2, learning_rate=1e-3, min_learning_rate=1e-4,
                              warmup_steps=1, b2=0.95, eval_every=2, eval_batches=1,
                              checkpoint_every=2, log_every=2, steps_per_call=1),
-        eval_batch_size=2, max_windows=2, description="seconds, for tests"),
+        eval_batch_size=2, max_tokens=2 * 96, description="seconds, for tests"),
 }
 
 
@@ -95,7 +96,7 @@ def run(preset: Preset, lm_preset: lm.Preset, out: Path, *, resume: bool, progre
   for name, (cfg, params) in models.items():
     results[name] = analysis.perplexity_by_length(
         cfg, params, eval_file, lengths, batch_size=eval_batch_size or preset.eval_batch_size,
-        max_windows=preset.max_windows, dtype=meta.get("dtype", "uint16"), progress=progress)
+        max_tokens=preset.max_tokens, dtype=meta.get("dtype", "uint16"), progress=progress)
     print(name, {k: round(v["perplexity"], 2) for k, v in results[name].items()}, flush=True)
   record = {"train_length": length, "lengths": lengths, "finetune_length": ft_len,
             "perplexity": {n: {str(k): v for k, v in r.items()} for n, r in results.items()},
@@ -106,9 +107,9 @@ def run(preset: Preset, lm_preset: lm.Preset, out: Path, *, resume: bool, progre
   rows = [[n] + [f"{results[n][k]['perplexity']:.2f}" for k in lengths] for n in results]
   table = common.markdown_table(["model \\ eval length"] + [str(k) for k in lengths], rows)
   (out / "extrapolation.md").write_text(
-      f"# Zero-shot length extrapolation (trained at {length})\n\nValidation perplexity, "
-      f"non-overlapping windows of each length, at most {preset.max_windows} windows per "
-      f"length.\n\n" + table)
+      f"# Zero-shot length extrapolation (trained at {length})\n\nValidation perplexity over "
+      f"the first {preset.max_tokens} validation tokens (all of them if fewer), cut into "
+      f"non-overlapping windows of each length.\n\n" + table)
   _plot(results, lengths, length, out / "extrapolation.png")
   print(table)
   return json.loads(json.dumps(common.to_jsonable(record)))
@@ -119,9 +120,10 @@ def _plot(results: dict, lengths: list[int], train_length: int, path: Path) -> N
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(6.5, 4))
-  for name, r in results.items():
-    color = "tab:red" if name == "pope" else "tab:blue" if name == "rope" else None
-    ax.plot(lengths, [r[k]["perplexity"] for k in lengths], marker="o", label=name, color=color)
+  colors = ["tab:red", "tab:blue", "tab:green", "tab:orange"]
+  for i, (name, r) in enumerate(results.items()):
+    ax.plot(lengths, [r[k]["perplexity"] for k in lengths], marker="o", label=name,
+            color=colors[i % len(colors)])
   ax.axvline(train_length, color="gray", ls=":", lw=1)
   ax.set_yscale("log")
   ax.set_xlabel("evaluation context length (tokens)")

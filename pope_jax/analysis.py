@@ -148,7 +148,7 @@ def default_memory_budget() -> int:
 
 def perplexity_by_length(config: ModelConfig, params: Any, token_file: str | os.PathLike,
                          lengths: Sequence[int], *, batch_size: int = 1,
-                         max_windows: int | None = None, dtype: str = "uint16",
+                         max_tokens: int | None = None, dtype: str = "uint16",
                          memory_budget: int | None = None,
                          progress: bool = False) -> dict[int, dict[str, float]]:
   """Zero-shot evaluation of one model at several context lengths (PoPE Figure 2).
@@ -158,7 +158,9 @@ def perplexity_by_length(config: ModelConfig, params: Any, token_file: str | os.
     token_file: held-out token file (`pope_jax.data.text` format).
     lengths: evaluation context lengths.
     batch_size: windows per forward pass.
-    max_windows: evaluate at most this many windows per length (the first ones), None = all.
+    max_tokens: evaluate only the first ~max_tokens tokens of the file at every length
+      (floor(max_tokens / length) windows, at least one), so that all lengths score the same
+      text; None = the whole file.
     dtype: token dtype of the file.
     memory_budget: bytes the attention scores may take (default `default_memory_budget()`).
     progress: tqdm bar over lengths.
@@ -188,7 +190,8 @@ def perplexity_by_length(config: ModelConfig, params: Any, token_file: str | os.
   out = {}
   for length in tqdm(list(lengths), desc="lengths", disable=not progress):
     source = TokenWindowSource(Path(token_file), length, dtype=dtype)
-    windows = len(source) if max_windows is None else min(len(source), max_windows)
+    windows = len(source) if max_tokens is None else min(len(source),
+                                                         max(1, max_tokens // length))
     total = {"nll_sum": 0.0, "correct_sum": 0.0, "weight_sum": 0.0}
     for start in range(0, windows, batch_size):
       recs = [source[i] for i in range(start, min(start + batch_size, windows))]

@@ -66,13 +66,13 @@ def test_perplexity_by_length(tmp_path):
   cfg = ModelConfig(vocab_size=13, num_layers=1, d_model=16, num_heads=2, pos_encoding="pope")
   params = Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
   got = analysis.perplexity_by_length(cfg, params, tmp_path / "valid.bin", [8, 16], batch_size=3,
-                                      max_windows=4)
-  assert sorted(got) == [8, 16] and got[8]["windows"] == 4
+                                      max_tokens=32)
+  assert sorted(got) == [8, 16] and got[8]["windows"] == 4 and got[16]["windows"] == 2
   # Window 0 of length 8 by hand.
   tokens = np.arange(9) % 13
   logits = Transformer(cfg).apply({"params": params}, tokens[None, :-1])
   nll = -jax.nn.log_softmax(logits)[0, np.arange(8), tokens[1:]]
-  one = analysis.perplexity_by_length(cfg, params, tmp_path / "valid.bin", [8], max_windows=1)
+  one = analysis.perplexity_by_length(cfg, params, tmp_path / "valid.bin", [8], max_tokens=8)
   np.testing.assert_allclose(one[8]["loss"], nll.mean(), rtol=1e-5)
   assert one[8]["perplexity"] == pytest.approx(np.exp(one[8]["loss"]))
   with pytest.raises(ValueError, match="GiB"):
