@@ -51,3 +51,34 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
   return "\n".join(lines) + "\n"
+
+
+ENCODING_COLORS = {"rope": "tab:blue", "pope": "tab:red", "none": "tab:gray"}
+
+
+def plot_history(runs: list[dict], path: str | Path, *, metric: str, ylabel: str, title: str,
+                 scale: float = 1.0) -> None:
+  """One curve per run of `metric` from its history (evaluation steps only) to a PNG.
+
+  Args:
+    runs: dicts with "encoding", "history" (list of per-step dicts) and optionally "seed".
+    metric: history key, e.g. "validation_accuracy" or "valid_loss".
+    scale: multiplies the values (100 for percentages).
+  """
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for r in runs:
+    pts = [(h["step"], scale * h[metric]) for h in r["history"] if metric in h]
+    if pts:
+      label = r["encoding"] + (f" seed {r['seed']}" if "seed" in r else "")
+      ax.plot(*zip(*pts), marker=".", alpha=0.85, label=label,
+              color=ENCODING_COLORS.get(r["encoding"]))
+  ax.set_xlabel("step")
+  ax.set_ylabel(ylabel)
+  ax.set_title(title)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

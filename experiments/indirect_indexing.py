@@ -124,30 +124,10 @@ def summarize(out: Path) -> dict:
       "2.45 %, PoPE 94.82 ± 2.91 %.\n")
   common.write_json(out / "results.json", {"summary": summary, "runs": runs,
                                            "configs": configs})
-  _plot(runs, out / "accuracy.png")
+  common.plot_history(runs, out / "accuracy.png", metric="validation_accuracy", scale=100,
+                      ylabel="validation accuracy (%)", title="Indirect indexing")
   print(table)
   return summary
-
-
-def _plot(runs: list[dict], path: Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 4))
-  colors = {"rope": "tab:blue", "pope": "tab:red", "none": "tab:gray"}
-  for r in runs:
-    pts = [(h["step"], 100 * h["validation_accuracy"]) for h in r["history"]
-           if "validation_accuracy" in h]
-    if pts:
-      ax.plot(*zip(*pts), color=colors.get(r["encoding"]), alpha=0.8,
-              label=f"{r['encoding']} seed {r['seed']}")
-  ax.set_xlabel("step")
-  ax.set_ylabel("validation accuracy (%)")
-  ax.set_title("Indirect indexing")
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> dict:

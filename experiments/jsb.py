@@ -107,28 +107,10 @@ def summarize(out: Path, runs: list[dict], preset_name: str) -> dict:
       f"# JSB chorales from music21 ({preset_name} preset)\n\n" + table +
       "\nPaper (original JSB, 6 x 256, 3000 steps): RoPE 0.5081, PoPE 0.4889 test NLL.\n")
   common.write_json(out / "results.json", {"preset": preset_name, "runs": runs})
-  _plot(runs, out / "loss.png")
+  common.plot_history(runs, out / "loss.png", metric="valid_loss",
+                      ylabel="validation NLL per token", title="JSB chorales (music21)")
   print(table)
   return {r["encoding"]: r["test_nll"] for r in runs}
-
-
-def _plot(runs: list[dict], path: Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for r in runs:
-    pts = [(h["step"], h["valid_loss"]) for h in r["history"] if "valid_loss" in h]
-    if pts:
-      ax.plot(*zip(*pts), marker="o", label=r["encoding"],
-              color={"rope": "tab:blue", "pope": "tab:red"}.get(r["encoding"]))
-  ax.set_xlabel("step")
-  ax.set_ylabel("validation NLL per token")
-  ax.set_title("JSB chorales (music21)")
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> dict:

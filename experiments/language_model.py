@@ -160,28 +160,10 @@ def summarize(out: Path, runs: list[dict], preset_name: str) -> dict:
       "\nPaper (OpenWebText, GPT-2-124M, 100k steps): RoPE 21.55, PoPE 21.33 validation "
       "perplexity.\n")
   common.write_json(out / "results.json", {"preset": preset_name, "runs": runs})
-  _plot(runs, out / "loss.png")
+  common.plot_history(runs, out / "loss.png", metric="valid_loss",
+                      ylabel="validation loss (nats/token)", title="Language modelling")
   print(table)
   return {r["encoding"]: r["valid_perplexity"] for r in runs}
-
-
-def _plot(runs: list[dict], path: Path) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for r in runs:
-    pts = [(h["step"], h["valid_loss"]) for h in r["history"] if "valid_loss" in h]
-    if pts:
-      ax.plot(*zip(*pts), marker="o", label=r["encoding"],
-              color={"rope": "tab:blue", "pope": "tab:red"}.get(r["encoding"]))
-  ax.set_xlabel("step")
-  ax.set_ylabel("validation loss (nats/token)")
-  ax.set_title("Language modelling")
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
 
 
 def parse_splits(value: str | None) -> dict[str, str] | None:
