@@ -27,6 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pope_jax import encodings
 from pallas_kernels import _streaming as st
 from pallas_kernels.pope_attention_bwd import pope_attention_dkv, pope_attention_dq
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
@@ -36,7 +37,6 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 MAX_VALUE_DIM = 256
 _LOG2E = 1.0 / math.log(2.0)
-_TWO_PI = 2.0 * math.pi
 
 
 def is_supported(shape: tuple[int, ...], dtype) -> bool:
@@ -60,15 +60,6 @@ def _check(q, k, v, delta) -> None:
     raise NotImplementedError(f"value head dim {v.shape[-1]} exceeds {MAX_VALUE_DIM}")
   if delta is not None and delta.shape != q.shape[2:]:
     raise ValueError(f"delta must have shape {q.shape[2:]}, got {delta.shape}")
-
-
-def _cartesian(x, positions, freqs, phase, factor, dtype):
-  """[μ cos φ, μ sin φ]·factor with μ = softplus(x), φ = pos·θ (+ phase), float32 math."""
-  mag = jax.nn.softplus(x.astype(jnp.float32))
-  ang = positions.astype(jnp.float32)[:, :, None, None] * freqs
-  if phase is not None:
-    ang = ang + phase
-  return (jnp.concatenate([mag * jnp.cos(ang), mag * jnp.sin(ang)], -1) * factor).astype(dtype)
 
 
 def _pad_to(x, length: int, axis: int, value=0):
@@ -117,10 +108,11 @@ def _prepare(q, k, v, delta, q_positions, k_positions, *, base, is_causal, scale
   s_len, vd = k.shape[1], v.shape[-1]
   q_pos = jnp.broadcast_to(jnp.asarray(q_positions), (bsz, t_len))
   k_pos = jnp.broadcast_to(jnp.asarray(k_positions), (bsz, s_len))
-  freqs = base ** (-jnp.arange(h, dtype=jnp.float32) / h)
-  phase = None if delta is None else -jnp.clip(delta.astype(jnp.float32), -_TWO_PI, 0.0)
-  a = _cartesian(q, q_pos, freqs, phase, scale * _LOG2E, q.dtype)
-  b = _cartesian(k, k_pos, freqs, None, 1.0, q.dtype)
+  # The reference's Cartesian map (δ on the query side as -δ), scale·log2(e) folded into q'.
+  phase = None if delta is None else -encodings.clamp_phase_bias(delta.astype(jnp.float32))
+  a = (encodings.pope_cartesian(q, q_pos, base=base, phase=phase) * (scale * _LOG2E)
+       ).astype(q.dtype)
+  b = encodings.pope_cartesian(k, k_pos, base=base).astype(q.dtype)
 
   mult = blocks.seq_multiple
   t_pad, s_pad = -(-t_len // mult) * mult, -(-s_len // mult) * mult

@@ -5,6 +5,7 @@ dims 32/64/128. Lengths stay <= 128 so every draw pads to one 128-row tile and t
 kernels are shared between draws of one (B, N, K, H) family (CI time).
 """
 
+import functools
 import math
 
 import jax
@@ -37,6 +38,7 @@ def _problem(family, t_len, s_len, seed):
   return q, k, v, delta, cot
 
 
+@functools.partial(jax.jit, static_argnames=("impl", "is_causal"))
 def _value_and_grads(impl, q, k, v, delta, cot, **kw):
   def loss(q, k, v, delta):
     out = attention.pope_attention(q, k, v, delta, implementation=impl, **kw)
