@@ -45,13 +45,16 @@ PRESETS: dict[str, Preset] = {
                           eval_every=5000, eval_batches=20, checkpoint_every=5000, log_every=500,
                           steps_per_call=50, data_workers=2),
         description="the paper's configuration (App. A)"),
+    # A shorter task (10-16 letters, shifts within +-3) and a 2-layer model, so that a run of both
+    # encodings fits ~20 minutes on 2 CPU cores. At this budget both learn the easy part of the
+    # task; the paper's gap appears late in long training (see README).
     "cpu": Preset(
-        task=task.IndirectIndexingConfig(),
-        model=dataclasses.replace(_PAPER_MODEL, num_layers=2, d_model=128, num_heads=4),
+        task=task.IndirectIndexingConfig(min_length=10, max_length=16, max_shift=3),
+        model=dataclasses.replace(_PAPER_MODEL, num_layers=2, d_model=128, num_heads=8),
         train=TrainConfig(steps=1500, batch_size=64, learning_rate=1e-3, min_learning_rate=1e-4,
                           warmup_steps=100, b2=0.99, eval_every=250, eval_batches=8,
                           checkpoint_every=250, log_every=50, steps_per_call=10),
-        description="a small model and short schedule that fits ~20 minutes on 2 CPU cores"),
+        description="a shorter task and a 2-layer model for ~20 minutes on 2 CPU cores"),
     "smoke": Preset(
         task=task.IndirectIndexingConfig(
             min_length=6, max_length=10, max_shift=3,

@@ -146,8 +146,10 @@ POPE_IMPLEMENTATIONS: dict[str, Callable[..., Array]] = {"xla": _pope_xla, "pall
 
 
 def _pick_pope_implementation(q: Array, multiplier, key_mask) -> str:
-  """The fused kernel on GPUs for the inputs it supports (see its `is_supported`); else XLA."""
-  if multiplier is None and key_mask is None and jax.default_backend() == "gpu":
+  """The fused kernel on Hopper GPUs (sm90) for the inputs it supports; else XLA."""
+  device = jax.devices()[0]
+  if (multiplier is None and key_mask is None and device.platform == "gpu"
+      and str(getattr(device, "compute_capability", "")).startswith("9.")):
     from pallas_kernels import pope_attention as kernel  # Lazy: GPU-only dependency chain.
     if kernel.is_supported(q.shape, q.dtype):
       return "pallas"
