@@ -1,0 +1,97 @@
+"""Transformer and PositionalAttention: parameters, causality, multipliers, config errors."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pope_jax import MODEL_PRESETS, ModelConfig, PositionalAttention, Transformer
+
+CFG = ModelConfig(vocab_size=40, num_layers=2, d_model=32, num_heads=4)
+TOKENS = jax.random.randint(jax.random.key(0), (2, 9), 0, 40)
+
+
+def _init(cfg):
+  model = Transformer(cfg)
+  return model, model.init(jax.random.key(1), TOKENS)["params"]
+
+
+@pytest.mark.parametrize("encoding", ["rope", "pope", "none"])
+def test_forward_shapes_and_causality(encoding):
+  model, params = _init(dataclasses.replace(CFG, pos_encoding=encoding))
+  logits = model.apply({"params": params}, TOKENS)
+  assert logits.shape == (2, 9, 40) and logits.dtype == jnp.float32
+  changed = model.apply({"params": params}, TOKENS.at[:, 6].set((TOKENS[:, 6] + 1) % 40))
+  np.testing.assert_allclose(logits[:, :6], changed[:, :6], atol=1e-5)
+  assert not np.allclose(logits[:, 6:], changed[:, 6:])
+
+
+def test_pope_has_one_delta_per_layer_and_tied_or_untied_head():
+  _, params = _init(CFG)
+  for i in range(2):
+    delta = params[f"block_{i}"]["attn"]["delta"]
+    assert delta.shape == (4, 8) and float(delta.max()) <= 0 and float(delta.min()) >= -2 * np.pi
+  assert not np.allclose(params["block_0"]["attn"]["delta"], params["block_1"]["attn"]["delta"])
+  assert "head" not in params
+  _, untied = _init(dataclasses.replace(CFG, tie_embeddings=False))
+  assert untied["head"]["kernel"].shape == (32, 40)
+  _, zeros = _init(dataclasses.replace(CFG, delta_init="zeros"))
+  assert not np.any(zeros["block_0"]["attn"]["delta"])
+  _, rope = _init(dataclasses.replace(CFG, pos_encoding="rope"))
+  assert "delta" not in rope["block_0"]["attn"]
+
+
+@pytest.mark.parametrize("encoding", ["rope", "pope"])
+def test_rope_multipliers_shapes_and_vmap(encoding):
+  model, params = _init(dataclasses.replace(CFG, pos_encoding=encoding))
+  apply = lambda m: model.apply({"params": params}, TOKENS, rope_multipliers=m)
+  base = apply(None)
+  for ones in (1.0, jnp.ones(2), jnp.ones((2, 4))):
+    np.testing.assert_allclose(apply(ones), base, atol=1e-5)
+  per_layer = jnp.array([[1.0, 0.5], [0.25, 1.0]])          # two candidates, [P, L]
+  batched = jax.vmap(apply)(per_layer)
+  np.testing.assert_allclose(batched[1], apply(per_layer[1]), atol=1e-5)
+  assert not np.allclose(batched[0], base, atol=1e-4)
+  with pytest.raises(ValueError, match="rope_multipliers"):
+    apply(jnp.ones(3))
+
+
+def test_gqa_model_and_standalone_attention_layer():
+  model, params = _init(dataclasses.replace(CFG, num_kv_heads=2))
+  assert params["block_0"]["attn"]["key"]["kernel"].shape == (32, 2, 8)
+  assert model.apply({"params": params}, TOKENS).shape == (2, 9, 40)
+  layer = PositionalAttention(num_heads=4, num_kv_heads=2, head_dim=8, pos_encoding="pope")
+  x = jax.random.normal(jax.random.key(2), (2, 5, 16))
+  p = layer.init(jax.random.key(3), x)
+  assert layer.apply(p, x, positions=jnp.arange(5) + 100).shape == (2, 5, 16)
+  np.testing.assert_allclose(layer.apply(p, x, positions=jnp.arange(5) + 100),
+                             layer.apply(p, x), atol=1e-5)  # relative positions only
+
+
+def test_presets():
+  assert (MODEL_PRESETS["indirect_indexing"].num_layers, MODEL_PRESETS["indirect_indexing"].d_model,
+          MODEL_PRESETS["indirect_indexing"].num_heads) == (8, 512, 8)
+  jsb = MODEL_PRESETS["jsb"]
+  assert (jsb.num_layers, jsb.d_model, jsb.num_heads, jsb.dropout_rate) == (6, 256, 8, 0.2)
+  for name, (layers, width, heads) in {"gpt2_124m": (12, 768, 12), "gpt2_253m": (16, 1024, 16),
+                                       "gpt2_774m": (36, 1280, 20)}.items():
+    cfg = MODEL_PRESETS[name]
+    assert (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.head_size) == (layers, width, heads,
+                                                                           64)
+    assert cfg.delta_init == "zeros"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(pos_encoding="alibi"), "pos_encoding"),
+    (dict(pos_encoding="rope", head_dim=7), "head_dim"),
+    (dict(d_model=30), "d_model"),
+    (dict(num_kv_heads=3), "num_kv_heads"),
+    (dict(delta_init="normal"), "delta_init"),
+    (dict(dtype="float16"), "dtype"),
+    (dict(num_layers=0), "num_layers"),
+])
+def test_config_errors_name_the_field(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    dataclasses.replace(CFG, **kwargs)
