@@ -131,7 +131,7 @@ class Attention(nn.Module):
     k = dense(kh * h, cfg.qkv_bias, "k_proj")(x).reshape(b, t, kh, h)
     v = dense(kh * h, cfg.qkv_bias, "v_proj")(x).reshape(b, t, kh, h)
     freqs = jnp.asarray(scaled_rope_frequencies(h, cfg.rope_theta, cfg.rope_scaling))
-    k_mult = None if multiplier is None else multiplier.reshape(kh, n // kh)[:, 0]
+    k_mult = encodings.kv_head_multiplier(multiplier, n, kh)
     q = encodings.apply_rope(q, positions, multiplier=multiplier, frequencies=freqs)
     k = encodings.apply_rope(k, positions, multiplier=k_mult, frequencies=freqs)
     if keys["k"] is not None:

@@ -112,7 +112,7 @@ def _pope_xla(q, k, v, delta, *, base, is_causal, q_positions, k_positions, scal
   # score as the paper's key-side bias, and it lets every query head of a GQA group keep its own δ.
   q_bias = None if delta is None else -encodings.clamp_phase_bias(_check_delta(delta, q))
   qc = encodings.pope_cartesian(q, q_positions, base=base, phase=q_bias, multiplier=multiplier)
-  kmult = _kv_multiplier(multiplier, q.shape[2], k.shape[2])
+  kmult = encodings.kv_head_multiplier(multiplier, q.shape[2], k.shape[2])
   kc = encodings.pope_cartesian(k, k_positions, base=base, multiplier=kmult)
   return dot_product_attention_reference(qc, kc, v, scale=scale, mask=mask)
 
@@ -133,13 +133,6 @@ def _pope_pallas(q, k, v, delta, *, base, is_causal, q_positions, k_positions, s
   return kernel.pope_attention(
       q, k, v, delta, base=base, is_causal=is_causal, q_positions=q_positions,
       k_positions=k_positions, scale=scale)
-
-
-def _kv_multiplier(multiplier, n_heads: int, kv_heads: int):
-  """Per-head multipliers apply to query heads; kv head j takes group j's (all must agree)."""
-  if multiplier is None or jnp.ndim(multiplier) == 0 or n_heads == kv_heads:
-    return multiplier
-  return jnp.asarray(multiplier).reshape(kv_heads, n_heads // kv_heads)[:, 0]
 
 
 POPE_IMPLEMENTATIONS: dict[str, Callable[..., Array]] = {"xla": _pope_xla, "pallas": _pope_pallas}
@@ -249,7 +242,7 @@ def rope_attention(
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
   rope = dict(base=base, layout=layout, frequencies=frequencies)
   qr = encodings.apply_rope(query, q_pos, multiplier=multiplier, **rope)
-  kmult = _kv_multiplier(multiplier, query.shape[2], key.shape[2])
+  kmult = encodings.kv_head_multiplier(multiplier, query.shape[2], key.shape[2])
   kr = encodings.apply_rope(key, k_pos, multiplier=kmult, **rope)
   mask = attention_mask(q_pos, k_pos, is_causal=is_causal, k_valid=key_mask)
   return dot_product_attention_reference(qr, kr, value, scale=scale, mask=mask).astype(query.dtype)

@@ -94,6 +94,24 @@ def scale_frequencies(freqs: Array, multiplier: Array | float | None) -> Array:
   raise ValueError(f"multiplier must have shape [] or [num_heads], got {m.shape}")
 
 
+def kv_head_multiplier(multiplier, num_heads: int, num_kv_heads: int):
+  """The key-side multiplier under GQA: kv head j takes query head j·N/K's entry.
+
+  Per-head multipliers are given per query head ([N]); the query heads of one GQA group share a
+  key, so they must agree within the group (a q/k mismatch would break relative positions).
+
+  Args:
+    multiplier: None, scalar or [N].
+    num_heads, num_kv_heads: N and K, N % K == 0.
+
+  Returns:
+    None, the scalar, or [K].
+  """
+  if multiplier is None or jnp.ndim(multiplier) == 0 or num_heads == num_kv_heads:
+    return multiplier
+  return jnp.asarray(multiplier).reshape(num_kv_heads, num_heads // num_kv_heads)[:, 0]
+
+
 def angles(positions: Array, freqs: Array) -> Array:
   """Angles position·θ in float32.
 
