@@ -187,6 +187,8 @@ def add_common_flags(parser: argparse.ArgumentParser, default_out: str) -> None:
   parser.add_argument("--resume", action="store_true",
                       help="continue unfinished runs from their checkpoints in --out")
   parser.add_argument("--no-progress", action="store_true")
+  parser.add_argument("--fsdp", action="store_true",
+                      help="shard parameters and optimiser state over the devices (FSDP)")
   parser.add_argument("--distributed", action="store_true",
                       help="call jax.distributed.initialize() first (multi-host: run the same "
                            "command on every host); auto-detected on SLURM/TPU, else give:")
@@ -201,7 +203,7 @@ def resolve_preset(args) -> Preset:
     jax.distributed.initialize(coordinator_address=args.coordinator,
                                num_processes=args.num_processes, process_id=args.process_id)
   preset = PRESETS[args.preset]
-  train = dataclasses.replace(preset.train, seed=args.seed)
+  train = dataclasses.replace(preset.train, seed=args.seed, fsdp=args.fsdp)
   if args.steps:
     spc = train.steps_per_call
     steps = max(spc, args.steps // spc * spc)

@@ -154,6 +154,7 @@ class TrainConfig:
     seed: model init, dropout and data order.
     steps_per_call: optimiser steps fused into one jitted call with `lax.scan` (amortises dispatch).
     data_workers: grain worker processes (0 = in-process).
+    fsdp: shard parameters and optimiser state over the devices (FSDP) instead of replicating.
   """
   steps: int
   batch_size: int
@@ -171,6 +172,7 @@ class TrainConfig:
   seed: int = 0
   steps_per_call: int = 1
   data_workers: int = 0
+  fsdp: bool = False
 
   def __post_init__(self):
     for name in ("steps", "batch_size", "eval_every", "checkpoint_every", "log_every",

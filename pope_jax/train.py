@@ -9,8 +9,10 @@ language modelling); evaluation reports "loss" (mean NLL per weighted token) and
 
 Data order is a pure function of (seed, step): batch `i` is element `i` of a shuffled, repeated,
 batched grain `MapDataset`, so `resume=True` continues from the latest orbax checkpoint with the same
-data and dropout randomness as an uninterrupted run. Parameters are replicated and batches sharded
-over a 1-D `jax.sharding.Mesh` of all devices (axis "data"): data parallel, and one CPU device works.
+data and dropout randomness as an uninterrupted run. Batches are sharded over a 1-D
+`jax.sharding.Mesh` of all devices (axis "data"): data parallel, and one CPU device works.
+Parameters and optimiser state are replicated, or with `TrainConfig.fsdp` sharded over the same
+axis (each large leaf split along its largest divisible dimension; XLA inserts the gathers).
 
 Several seeds can train side by side in one program (`seeds=(0, 1, 2)`): the train state gets a
 leading member axis M and the step is `jax.vmap`ped over it, so small models fill a GPU; member m
@@ -105,6 +107,26 @@ def init_state(model: Transformer, cfg: TrainConfig, seeds: Sequence[int], seq_l
     return params, make_optimizer(cfg).init(params)
   params, opt_state = jax.vmap(one)(jnp.asarray(seeds, jnp.uint32))
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+
+
+def state_shardings(state: TrainState, mesh: Mesh, fsdp: bool):
+  """Shardings of a train state: replicated, or FSDP over the mesh's "data" axis.
+
+  Under FSDP a parameter or optimiser leaf [M, ...] of at least 2^14 elements is split along its
+  largest dimension (after the seed axis M) that the device count divides; others stay replicated.
+  """
+  replicated = NamedSharding(mesh, P())
+  if not fsdp or mesh.size == 1:
+    return jax.tree.map(lambda _: replicated, state)
+
+  def leaf(x):
+    dims = [d for d in range(1, x.ndim) if x.shape[d] % mesh.size == 0]
+    if not dims or math.prod(x.shape) < 2**14:
+      return replicated
+    spec = [None] * x.ndim
+    spec[max(dims, key=lambda d: x.shape[d])] = "data"
+    return NamedSharding(mesh, P(*spec))
+  return jax.tree.map(leaf, state)
 
 
 def make_train_step(model: Transformer, cfg: TrainConfig):
@@ -295,8 +317,9 @@ def train_and_evaluate(
       "model": dataclasses.asdict(model_config), "train": dataclasses.asdict(cfg),
       "seeds": list(seeds), "train_source": f"{type(train_source).__name__}[{len(train_source)}]"},
       resume=resume)
-  state = jax.jit(lambda p: init_state(model, cfg, seeds, seq_len, p),
-                  out_shardings=replicated)(init_params)
+  init = lambda p: init_state(model, cfg, seeds, seq_len, p)
+  shardings = state_shardings(jax.eval_shape(init, init_params), mesh, cfg.fsdp)
+  state = jax.jit(init, out_shardings=shardings)(init_params)
   if resume:
     state = restore_state(manager, state)
   start = int(state.step)
@@ -308,7 +331,7 @@ def train_and_evaluate(
     return jax.device_put(batch, NamedSharding(mesh, spec))
 
   train_step = jax.jit(make_train_step(model, cfg), donate_argnums=0,
-                       out_shardings=(replicated, replicated))
+                       out_shardings=(shardings, replicated))
   eval_step = jax.jit(make_eval_step(model))
   streams = [_train_batches(train_source, cfg, s, start // cfg.steps_per_call) for s in seeds]
   seeds_array = jnp.asarray(seeds, jnp.uint32)

@@ -142,3 +142,26 @@ def test_init_params_starts_every_seed_from_given_parameters(tmp_path):
   for r in results:            # A vanishing learning rate leaves the given parameters in place.
     for a, b in zip(_leaves(r.params), _leaves(given)):
       np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_fsdp_over_four_devices_matches_one_device(tmp_path):
+  code = f"""
+import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+import dataclasses, jax, numpy as np, tests.pope_jax.test_train as t
+from jax.sharding import Mesh
+from pope_jax.model import Transformer
+from pope_jax.train import init_state, state_shardings
+model = dataclasses.replace(t.MODEL, d_model=64, mlp_dim=256)
+train = dataclasses.replace(t.TRAIN, fsdp=True)
+abstract = jax.eval_shape(lambda: init_state(Transformer(model), train, [0], 8))
+specs = [s.spec for s in jax.tree.leaves(state_shardings(abstract, Mesh(np.array(jax.devices()), ("data",)), True))]
+assert any("data" in tuple(s) for s in specs), specs
+(r,) = t._run({str(tmp_path / 'fsdp')!r}, train=train, model=model)
+np.save({str(tmp_path / 'fsdp.npy')!r}, np.concatenate([np.ravel(x) for x in jax.tree.leaves(r.params)]))
+"""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (one,) = _run(tmp_path / "one", model=dataclasses.replace(MODEL, d_model=64, mlp_dim=256))
+  flat = np.concatenate([np.ravel(x) for x in _leaves(one.params)])
+  np.testing.assert_allclose(np.load(tmp_path / "fsdp.npy"), flat, rtol=2e-4, atol=2e-5)
