@@ -44,6 +44,7 @@ def write_json(path: str | Path, obj: Any) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
     json.dump(to_jsonable(obj), f, indent=2)
+  os.chmod(f.name, 0o644)
   os.replace(f.name, path)
 
 

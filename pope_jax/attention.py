@@ -66,6 +66,11 @@ def _check_qkv(q: Array, k: Array, v: Array) -> None:
     raise ValueError(f"query batch {q.shape[0]} != key batch {k.shape[0]}")
   if q.shape[2] % k.shape[2]:
     raise ValueError(f"query heads {q.shape[2]} must be a multiple of kv heads {k.shape[2]}")
+  if q.shape[-1] != k.shape[-1]:
+    raise ValueError(f"query head dim {q.shape[-1]} != key head dim {k.shape[-1]}")
+  for name, x in (("query", q), ("key", k), ("value", v)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must be a real floating-point array, got {x.dtype}")
 
 
 def dot_product_attention_reference(
@@ -95,13 +100,23 @@ def dot_product_attention_reference(
   return out.reshape(b, t, n, v.shape[-1])
 
 
-def _positions(q: Array, k: Array, q_positions, k_positions) -> tuple[Array, Array]:
+def _positions(q: Array, k: Array, q_positions, k_positions, key_mask
+               ) -> tuple[Array, Array]:
+  """Positions (defaults filled in) after checking their and key_mask's shapes and dtypes."""
   dq, dk = default_positions(q.shape[1], k.shape[1])
   q_pos = dq if q_positions is None else jnp.asarray(q_positions)
   k_pos = dk if k_positions is None else jnp.asarray(k_positions)
+  b = q.shape[0]
   for name, pos, length in (("q_positions", q_pos, q.shape[1]), ("k_positions", k_pos, k.shape[1])):
-    if pos.shape[-1] != length or pos.ndim not in (1, 2):
-      raise ValueError(f"{name} must have shape [{length}] or [B, {length}], got {pos.shape}")
+    if pos.ndim not in (1, 2) or pos.shape[-1] != length or (pos.ndim == 2 and pos.shape[0] != b):
+      raise ValueError(f"{name} must have shape [{length}] or [{b}, {length}], got {pos.shape}")
+    if not jnp.issubdtype(pos.dtype, jnp.integer):
+      raise TypeError(f"{name} must be integer positions, got {pos.dtype}")
+  if key_mask is not None:
+    key_mask = jnp.asarray(key_mask)
+    if key_mask.shape != (b, k.shape[1]) or key_mask.dtype != jnp.bool_:
+      raise ValueError(f"key_mask must be bool [{b}, {k.shape[1]}], got {key_mask.dtype} "
+                       f"{key_mask.shape}")
   return q_pos, k_pos
 
 
@@ -176,7 +191,8 @@ def pope_attention(
     is_causal: causal mask by absolute position (see module docstring).
     q_positions, k_positions: [T] / [S] or [B, T] / [B, S] int; see module docstring for defaults.
     scale: logit scale; default 1/sqrt(H) of the original head dim (not 2H).
-    multiplier: None, scalar or [N] frequency multiplier (per-layer scaling, PI).
+    multiplier: None, scalar or [N] frequency multiplier (per-layer scaling, PI); under GQA the
+      query heads of a group must share one value (see `encodings.kv_head_multiplier`).
     key_mask: None or [B, S] bool, False for padding keys (left-padded batches).
     implementation: None (best available), "xla" (reference) or "pallas" (fused GPU kernel).
 
@@ -188,9 +204,7 @@ def pope_attention(
     cannot run these inputs (never a silent fallback).
   """
   _check_qkv(query, key, value)
-  if query.shape[-1] != key.shape[-1]:
-    raise ValueError(f"query head dim {query.shape[-1]} != key head dim {key.shape[-1]}")
-  q_pos, k_pos = _positions(query, key, q_positions, k_positions)
+  q_pos, k_pos = _positions(query, key, q_positions, k_positions, key_mask)
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
   if implementation is None:
     implementation = _pick_pope_implementation(query, multiplier, key_mask)
@@ -238,7 +252,7 @@ def rope_attention(
   _check_qkv(query, key, value)
   if implementation not in (None, "xla"):
     raise ValueError(f"rope_attention implementation must be None or 'xla', got {implementation!r}")
-  q_pos, k_pos = _positions(query, key, q_positions, k_positions)
+  q_pos, k_pos = _positions(query, key, q_positions, k_positions, key_mask)
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
   rope = dict(base=base, layout=layout, frequencies=frequencies)
   qr = encodings.apply_rope(query, q_pos, multiplier=multiplier, **rope)

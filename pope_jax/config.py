@@ -79,9 +79,19 @@ class ModelConfig:
   rope_yarn: YarnConfig | None = None
 
   def __post_init__(self):
-    for name in ("vocab_size", "num_layers", "d_model", "num_heads"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+    for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
+                 "mlp_dim"):
+      value = getattr(self, name)
+      if value is None and name in ("num_kv_heads", "head_dim", "mlp_dim"):
+        continue
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+    for name in ("rope_base", "pope_base"):
+      if not getattr(self, name) > 1.0:
+        raise ValueError(f"ModelConfig.{name} must be > 1, got {getattr(self, name)!r}")
+    if self.attention_implementation not in (None, "xla", "pallas"):
+      raise ValueError(f"ModelConfig.attention_implementation must be None, 'xla' or 'pallas', "
+                       f"got {self.attention_implementation!r}")
     if self.pos_encoding not in POS_ENCODINGS:
       raise ValueError(
           f"ModelConfig.pos_encoding must be one of {POS_ENCODINGS}, got {self.pos_encoding!r}")
@@ -148,7 +158,8 @@ class TrainConfig:
     warmup_steps: linear warm-up from 0 to the peak.
     b1, b2, weight_decay, grad_clip: AdamW and global-norm clipping.
     eval_every: evaluate every this many steps (and at the end).
-    eval_batches: batches per evaluation split (None = the whole split).
+    eval_batches: batches per periodic evaluation of each split (None = the whole split); the
+      final evaluation always reads whole splits.
     checkpoint_every: save an orbax checkpoint every this many steps (and at the end).
     log_every: write a metrics line every this many steps.
     seed: model init, dropout and data order.
@@ -181,6 +192,15 @@ class TrainConfig:
         raise ValueError(f"TrainConfig.{name} must be positive, got {getattr(self, name)}")
     if self.warmup_steps < 0 or self.data_workers < 0:
       raise ValueError("TrainConfig.warmup_steps and data_workers must be >= 0")
+    if self.eval_batches is not None and self.eval_batches <= 0:
+      raise ValueError(f"TrainConfig.eval_batches must be None (whole split) or positive, got "
+                       f"{self.eval_batches}")
+    for name in ("b1", "b2"):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ValueError(f"TrainConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+    if not self.grad_clip > 0 or self.weight_decay < 0:
+      raise ValueError(f"TrainConfig needs grad_clip > 0 and weight_decay >= 0, got "
+                       f"{self.grad_clip} and {self.weight_decay}")
     if not 0 < self.min_learning_rate <= self.learning_rate:
       raise ValueError(f"TrainConfig needs 0 < min_learning_rate <= learning_rate, got "
                        f"{self.min_learning_rate} and {self.learning_rate}")

@@ -98,7 +98,11 @@ def kv_head_multiplier(multiplier, num_heads: int, num_kv_heads: int):
   """The key-side multiplier under GQA: kv head j takes query head j·N/K's entry.
 
   Per-head multipliers are given per query head ([N]); the query heads of one GQA group share a
-  key, so they must agree within the group (a q/k mismatch would break relative positions).
+  key, so they must agree within the group (a q/k mismatch would break relative positions). The
+  agreement is checked for concrete values; under `jit` it is the caller's contract.
+
+  Raises:
+    ValueError: concrete multipliers that differ within a group.
 
   Args:
     multiplier: None, scalar or [N].
@@ -109,7 +113,11 @@ def kv_head_multiplier(multiplier, num_heads: int, num_kv_heads: int):
   """
   if multiplier is None or jnp.ndim(multiplier) == 0 or num_heads == num_kv_heads:
     return multiplier
-  return jnp.asarray(multiplier).reshape(num_kv_heads, num_heads // num_kv_heads)[:, 0]
+  groups = jnp.asarray(multiplier).reshape(num_kv_heads, num_heads // num_kv_heads)
+  if not isinstance(groups, jax.core.Tracer) and not bool(jnp.all(groups == groups[:, :1])):
+    raise ValueError(f"per-head multipliers must agree within each GQA group of "
+                     f"{num_heads // num_kv_heads} query heads, got {groups.tolist()}")
+  return groups[:, 0]
 
 
 def angles(positions: Array, freqs: Array) -> Array:

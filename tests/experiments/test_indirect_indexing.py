@@ -27,6 +27,15 @@ def test_smoke_preset_writes_table_json_and_plot_and_resumes(tmp_path):
                             "--out", str(tmp_path), "--no-progress"])
 
 
+def test_resume_starts_encodings_not_begun_and_refuses_other_configs(tmp_path):
+  common = ["--preset", "smoke", "--out", str(tmp_path), "--no-progress"]
+  indirect_indexing.main(common + ["--encodings", "rope"])
+  summary = indirect_indexing.main(common + ["--encodings", "rope,pope", "--resume"])
+  assert set(summary) == {"rope", "pope"}
+  with pytest.raises(ValueError, match="another configuration"):
+    indirect_indexing.main(common + ["--encodings", "rope", "--resume", "--batch-size", "8"])
+
+
 def test_unknown_encoding_is_named(tmp_path):
   with pytest.raises(SystemExit, match="alibi"):
     indirect_indexing.main(["--preset", "smoke", "--encodings", "alibi", "--out", str(tmp_path)])
