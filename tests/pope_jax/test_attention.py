@@ -124,6 +124,13 @@ def test_rope_gradients_match_finite_differences():
               order=1, modes=("rev",), eps=1e-2, atol=2e-2, rtol=2e-2)
 
 
+def test_gqa_multipliers_must_agree_within_a_group():
+  q, k, v, delta = _qkv(n=4, k=2)
+  attention.pope_attention(q, k, v, delta, multiplier=jnp.array([1.0, 1.0, 0.5, 0.5]))
+  with pytest.raises(ValueError, match="GQA group"):
+    attention.pope_attention(q, k, v, delta, multiplier=jnp.array([1.0, 2.0, 1.0, 2.0]))
+
+
 def test_output_dtype_follows_query():
   q, k, v, delta = _qkv(dtype=jnp.bfloat16)
   assert attention.pope_attention(q, k, v, delta).dtype == jnp.bfloat16
@@ -140,6 +147,15 @@ def test_output_dtype_follows_query():
     (lambda q, k, v, d: attention.pope_attention(q, k, v, d, implementation="pallas",
                                                  multiplier=0.5), NotImplementedError, "pallas"),
     (lambda q, k, v, d: attention.rope_attention(q[..., :7], k[..., :7], v), ValueError, "even"),
+    (lambda q, k, v, d: attention.rope_attention(q, k[..., :4], v), ValueError, "head dim"),
+    (lambda q, k, v, d: attention.pope_attention(q.astype(jnp.int32), k, v, d), TypeError,
+     "query"),
+    (lambda q, k, v, d: attention.pope_attention(q, k, v, d, q_positions=jnp.zeros((3, 5), int)),
+     ValueError, "q_positions"),
+    (lambda q, k, v, d: attention.pope_attention(q, k, v, d, k_positions=jnp.arange(5.0)),
+     TypeError, "k_positions"),
+    (lambda q, k, v, d: attention.pope_attention(q, k, v, d, key_mask=jnp.ones((2, 4), bool)),
+     ValueError, "key_mask"),
     (lambda q, k, v, d: attention.pope_attention(jnp.concatenate([q, q[:, :, :1]], 2), k, v, None),
      ValueError, "multiple"),
 ])

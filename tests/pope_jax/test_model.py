@@ -91,6 +91,11 @@ def test_presets():
     (dict(delta_init="normal"), "delta_init"),
     (dict(dtype="float16"), "dtype"),
     (dict(num_layers=0), "num_layers"),
+    (dict(head_dim=0), "head_dim"),
+    (dict(mlp_dim=-4), "mlp_dim"),
+    (dict(num_layers=2.5), "num_layers"),
+    (dict(pope_base=-5.0), "pope_base"),
+    (dict(attention_implementation="foo"), "attention_implementation"),
 ])
 def test_config_errors_name_the_field(kwargs, match):
   with pytest.raises(ValueError, match=match):
