@@ -39,14 +39,20 @@ MAX_VALUE_DIM = 256
 _LOG2E = 1.0 / math.log(2.0)
 
 
-def is_supported(shape: tuple[int, ...], dtype) -> bool:
-  """Whether the kernel runs a query of `shape` [B, T, N, H] and `dtype`."""
-  return len(shape) == 4 and jnp.dtype(dtype) in SUPPORTED_DTYPES and (
-      shape[-1] in SUPPORTED_HEAD_DIMS)
+def is_supported(q, k, v) -> bool:
+  """Whether the kernel runs these operands (arrays or `jax.ShapeDtypeStruct`s).
+
+  q [B, T, N, H], k [B, S, K, H], v [B, S, K, V]: one dtype in SUPPORTED_DTYPES, H in
+  SUPPORTED_HEAD_DIMS, V <= MAX_VALUE_DIM.
+  """
+  return (q.ndim == 4 and jnp.dtype(q.dtype) in SUPPORTED_DTYPES
+          and q.shape[-1] in SUPPORTED_HEAD_DIMS and k.dtype == q.dtype and v.dtype == q.dtype
+          and v.shape[-1] <= MAX_VALUE_DIM)
 
 
 def _check(q, k, v, delta) -> None:
-  if not is_supported(q.shape, q.dtype):
+  if not (q.ndim == 4 and jnp.dtype(q.dtype) in SUPPORTED_DTYPES
+          and q.shape[-1] in SUPPORTED_HEAD_DIMS):
     raise NotImplementedError(
         f"pallas PoPE attention takes query dtype in {[str(d) for d in SUPPORTED_DTYPES]} and "
         f"head dim in {SUPPORTED_HEAD_DIMS}; got query {q.dtype} {q.shape}")

@@ -153,13 +153,13 @@ def _pope_pallas(q, k, v, delta, *, base, is_causal, q_positions, k_positions, s
 POPE_IMPLEMENTATIONS: dict[str, Callable[..., Array]] = {"xla": _pope_xla, "pallas": _pope_pallas}
 
 
-def _pick_pope_implementation(q: Array, multiplier, key_mask) -> str:
+def _pick_pope_implementation(q: Array, k: Array, v: Array, multiplier, key_mask) -> str:
   """The fused kernel on Hopper GPUs (sm90) for the inputs it supports; else XLA."""
   device = jax.devices()[0]
   if (multiplier is None and key_mask is None and device.platform == "gpu"
       and str(getattr(device, "compute_capability", "")).startswith("9.")):
     from pallas_kernels import pope_attention as kernel  # Lazy: GPU-only dependency chain.
-    if kernel.is_supported(q.shape, q.dtype):
+    if kernel.is_supported(q, k, v):
       return "pallas"
   return "xla"
 
@@ -207,7 +207,7 @@ def pope_attention(
   q_pos, k_pos = _positions(query, key, q_positions, k_positions, key_mask)
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
   if implementation is None:
-    implementation = _pick_pope_implementation(query, multiplier, key_mask)
+    implementation = _pick_pope_implementation(query, key, value, multiplier, key_mask)
   if implementation not in POPE_IMPLEMENTATIONS:
     raise ValueError(
         f"implementation must be one of {sorted(POPE_IMPLEMENTATIONS)} or None, got "

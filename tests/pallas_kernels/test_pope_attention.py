@@ -107,8 +107,12 @@ def test_unsupported_inputs_raise():
   q32 = jnp.zeros((1, 8, 2, 64), jnp.float32)
   with pytest.raises(NotImplementedError, match="dtype"):
     kernel.pope_attention(q32, q32, q32)
-  assert not kernel.is_supported(q32.shape, q32.dtype)
-  assert kernel.is_supported((1, 8, 2, 64), jnp.bfloat16)
+  assert not kernel.is_supported(q32, q32, q32)
+  spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+  q16 = spec((1, 8, 2, 64))
+  assert kernel.is_supported(q16, q16, q16)
+  assert not kernel.is_supported(q16, q16, spec((1, 8, 2, 64), jnp.float32))  # mixed dtypes
+  assert not kernel.is_supported(q16, q16, spec((1, 8, 2, 512)))              # value dim
 
 
 def test_block_sizes_validate():

@@ -162,3 +162,19 @@ def test_output_dtype_follows_query():
 def test_bad_input(call, err, match):
   with pytest.raises(err, match=match):
     call(*_qkv())
+
+
+def test_default_implementation_picks_the_kernel_only_where_it_runs(monkeypatch):
+  class FakeDevice:
+    def __init__(self, platform, capability):
+      self.platform, self.compute_capability = platform, capability
+  q16 = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
+  pick = attention._pick_pope_implementation
+  assert pick(q16, q16, q16, None, None) == "xla"                         # CPU
+  monkeypatch.setattr(jax, "devices", lambda: [FakeDevice("gpu", "9.0")])
+  assert pick(q16, q16, q16, None, None) == "pallas"
+  assert pick(q16, q16, q16.astype(jnp.float32), None, None) == "xla"     # mixed dtypes
+  assert pick(q16.astype(jnp.float32), q16, q16, None, None) == "xla"     # float32
+  assert pick(q16, q16, q16, 0.5, None) == "xla"                          # multiplier
+  monkeypatch.setattr(jax, "devices", lambda: [FakeDevice("gpu", "8.0")])
+  assert pick(q16, q16, q16, None, None) == "xla"                         # not Hopper
