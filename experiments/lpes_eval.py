@@ -7,7 +7,7 @@ Held-out KV examples come from `--seed` (default 1; the search uses seed 0); MDQ
 `--mdqa-file` with the gold document moved to each position. Greedy decoding (KV cache); KV is
 scored by case-insensitive substring on the whole output, MDQA by best_subspan_em on the first line.
 Writes `<out>/eval_<task>_<method>.json` (accuracies, config, timing, versions) and a
-lost-in-the-middle PNG, and prints a table. `--latency` also times generation per batch.
+lost-in-the-middle PNG, and prints a table with the median generation time per batch.
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ def make_generator(method: str, model, params, cfg, args):
         raise ValueError("--method lpes needs --scales results.json")
       mult = search.load_multipliers(args.scales)
       if mult.shape != (cfg.num_layers,):
-        raise ValueError(f"{args.scales}: {mult.shape[0]} scales for a {cfg.num_layers}-layer model")
+        raise ValueError(f"{args.scales}: {mult.shape[0]} scales, but the model has "
+                         f"{cfg.num_layers} layers")
       mult = jnp.asarray(mult)
     fn = jax.jit(lambda p, t, m, n: greedy(p, t, m, mult, n), static_argnums=3)
   elif method == "ms_poe":
@@ -203,7 +204,8 @@ def main(argv=None) -> None:
   p.add_argument("--positions", type=lambda s: [int(x) for x in s.split(",")], default=None)
   p.add_argument("--seed", type=int, default=1, help="held-out seed (the search uses 0)")
   p.add_argument("--batch-size", type=int, default=16)
-  p.add_argument("--max-new-tokens", type=int, default=16)
+  p.add_argument("--max-new-tokens", type=int, default=48,
+                 help="tokens generated per example (a quoted UUID value takes ~27)")
   p.add_argument("--pi-scale", type=float, default=1.5)
   p.add_argument("--ms-poe-official", action="store_true",
                  help="Ms-PoE: index the ratio table with the argsort (released code)")
@@ -212,6 +214,10 @@ def main(argv=None) -> None:
   args = p.parse_args(argv)
   if args.num_examples < 1:
     p.error("--num-examples must be >= 1")
+  if args.method == "lpes":
+    if not args.scales:
+      p.error("--method lpes needs --scales results.json")
+    search.load_scales(args.scales)  # Bad files fail here, before the slow model load.
   os.makedirs(args.out, exist_ok=True)
   record = evaluate(args)
   path = os.path.join(args.out, f"eval_{args.task}_{args.method}.json")

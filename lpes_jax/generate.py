@@ -175,10 +175,14 @@ def parse_multipliers(spec: str | None) -> np.ndarray | None:
   """"0.5" → [], "1,0.9,0.8" → [L], or a .json file holding a number, [L] or [L, N]."""
   if spec is None:
     return None
-  if spec.endswith(".json"):
-    with open(spec) as fh:
-      return np.asarray(json.load(fh), np.float32)
-  values = [float(v) for v in spec.split(",")]
+  try:
+    if spec.endswith(".json"):
+      with open(spec) as fh:
+        return np.asarray(json.load(fh), np.float32)
+    values = [float(v) for v in spec.split(",")]
+  except (OSError, ValueError, TypeError) as e:
+    raise ValueError(f"--rope-multipliers {spec!r}: expected a number, a comma-separated list or "
+                     f"a .json file of numbers ({e})") from None
   return np.asarray(values[0] if len(values) == 1 else values, np.float32)
 
 
@@ -195,15 +199,17 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   args = parser.parse_args(argv)
+  multipliers = parse_multipliers(args.rope_multipliers)  # Bad input fails before the slow load.
   _, params, config = load_pretrained(args.model, dtype=args.dtype)
   tok = load_tokenizer(args.model)
   prompts = [tok.encode_chat([{"role": "user", "content": p}]) if args.chat else tok.encode(p)
              for p in args.prompt]
   eos = tuple(dict.fromkeys(config.eos_token_ids + tok.eos_ids))
   outs = greedy_generate(config, params, prompts, max_new_tokens=args.max_new_tokens, eos_ids=eos,
-                  rope_multipliers=parse_multipliers(args.rope_multipliers))
-  for out in outs:
-    sys.stdout.write(tok.decode(out) + "\n")
+                         rope_multipliers=multipliers)
+  for i, out in enumerate(outs):
+    header = f"[{i}] " if len(outs) > 1 else ""
+    sys.stdout.write(header + tok.decode(out) + "\n")
 
 
 if __name__ == "__main__":

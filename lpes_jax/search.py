@@ -579,13 +579,24 @@ def load_scales(path: str) -> np.ndarray:
   """Per-layer scales [L] from a results.json (validated: finite, > 0).
 
   Raises:
-    ValueError: no "scales" field or invalid values.
+    ValueError: unreadable JSON, no "scales" field, not a 1-D list, or invalid values.
   """
-  with open(path) as f:
-    obj = json.load(f)
-  if "scales" not in obj:
+  try:
+    with open(path) as f:
+      obj = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}: not valid JSON ({e})") from None
+  if not isinstance(obj, dict) or "scales" not in obj:
     raise ValueError(f"{path}: no 'scales' field")
-  return bezier.validate_scales(obj["scales"], name=f"{path}: scales")
+  try:
+    scales = np.asarray(obj["scales"], np.float64)
+  except (TypeError, ValueError):
+    raise ValueError(f"{path}: 'scales' must be a list of numbers, got {obj['scales']!r:.80}"
+                     ) from None
+  if scales.ndim != 1:
+    raise ValueError(f"{path}: 'scales' must be a list of one scale per layer, got shape "
+                     f"{scales.shape}")
+  return bezier.validate_scales(scales, name=f"{path}: scales")
 
 
 def load_multipliers(path: str) -> np.ndarray:
