@@ -83,3 +83,19 @@ def plot_history(runs: list[dict], path: str | Path, *, metric: str, ylabel: str
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+def with_steps(train, steps: int):
+  """`train` (a TrainConfig) shortened or lengthened to about `steps` optimiser steps.
+
+  Steps are rounded down to a multiple of steps_per_call (at least one call), and the eval,
+  checkpoint and log cadences are capped at a quarter of the run so short runs still report.
+  """
+  if steps <= 0:
+    raise ValueError(f"--steps must be positive, got {steps}")
+  spc = train.steps_per_call
+  steps = max(spc, steps // spc * spc)
+  every = max(spc, (steps // 4) // spc * spc)
+  return dataclasses.replace(train, steps=steps, eval_every=min(train.eval_every, every),
+                             checkpoint_every=min(train.checkpoint_every, every),
+                             log_every=min(train.log_every, every))

@@ -164,18 +164,12 @@ def main(argv: list[str] | None = None) -> dict:
   if not args.summarize:
     preset = PRESETS[args.preset]
     overrides = {k: v for k, v in {
-        "steps": args.steps, "batch_size": args.batch_size,
-        "steps_per_call": args.steps_per_call, "data_workers": args.data_workers}.items()
-        if v is not None}
-    if overrides:
-      train = preset.train
-      if "steps" in overrides:  # Keep eval/checkpoint cadence valid for short runs.
-        spc = overrides.get("steps_per_call", train.steps_per_call)
-        every = max(spc, (overrides["steps"] // 4) // spc * spc)
-        overrides.update(eval_every=min(train.eval_every, every),
-                         checkpoint_every=min(train.checkpoint_every, every),
-                         log_every=min(train.log_every, every))
-      preset = dataclasses.replace(preset, train=dataclasses.replace(train, **overrides))
+        "batch_size": args.batch_size, "steps_per_call": args.steps_per_call,
+        "data_workers": args.data_workers}.items() if v is not None}
+    train = dataclasses.replace(preset.train, **overrides)
+    if args.steps is not None:
+      train = common.with_steps(train, args.steps)
+    preset = dataclasses.replace(preset, train=train)
     model_overrides = {k: v for k, v in {
         "dtype": args.dtype, "attention_implementation": args.attention_implementation}.items()
         if v is not None}

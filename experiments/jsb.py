@@ -130,12 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
   preset = PRESETS[args.preset]
   train = dataclasses.replace(preset.train, seed=args.seed)
   if args.steps:
-    spc = train.steps_per_call
-    steps = max(spc, args.steps // spc * spc)
-    every = max(spc, (steps // 4) // spc * spc)
-    train = dataclasses.replace(train, steps=steps, eval_every=min(train.eval_every, every),
-                                checkpoint_every=min(train.checkpoint_every, every),
-                                log_every=min(train.log_every, every))
+    train = common.with_steps(train, args.steps)
   preset = dataclasses.replace(preset, train=train)
   if args.transpose is not None:
     preset = dataclasses.replace(preset, transpositions=tuple(range(-args.transpose,

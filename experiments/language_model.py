@@ -205,12 +205,7 @@ def resolve_preset(args) -> Preset:
   preset = PRESETS[args.preset]
   train = dataclasses.replace(preset.train, seed=args.seed, fsdp=args.fsdp)
   if args.steps:
-    spc = train.steps_per_call
-    steps = max(spc, args.steps // spc * spc)
-    every = max(spc, (steps // 4) // spc * spc)
-    train = dataclasses.replace(train, steps=steps, eval_every=min(train.eval_every, every),
-                                checkpoint_every=min(train.checkpoint_every, every),
-                                log_every=min(train.log_every, every))
+    train = common.with_steps(train, args.steps)
   return dataclasses.replace(preset, train=train)
 
 
