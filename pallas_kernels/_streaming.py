@@ -116,6 +116,19 @@ def stream(u_lo, u_hi, stages: int, consumed, issue):
   lax.fori_loop(jnp.maximum(u_lo, u_hi - stages), u_hi, drain, None)
 
 
+def memory_warpgroup(visit, stages: int, consumed, copies):
+  """The TMA warpgroup of every kernel here: for each step s of the tile's visit range
+  `visit` = (u_lo, u_hi), copies each (gmem source, smem buffers, barriers) of `copies(s)` into
+  the step's slot, reusing a slot once the compute warpgroups released it."""
+  plgpu.set_max_registers(40, action="decrease")
+
+  def issue(s, slot):
+    for src, dst, bar in copies(s):
+      plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
+
+  stream(visit[0], visit[1], stages, consumed, issue)
+
+
 def slot_of(s, u_lo, stages: int):
   return lax.rem(s - u_lo, stages)
 

@@ -94,18 +94,16 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
 
     @pl.when(wg == st.COMPUTE_WGS)
     def _memory():
-      plgpu.set_max_registers(40, action="decrease")
       kv_head = lax.div(head, jnp.int32(group))
-      u_lo, u_hi = tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]
 
-      def issue(s, slot):
+      def copies(s):
         cols = pl.ds(s * bk, bk)
-        plgpu.copy_gmem_to_smem(b_ref.at[batch, cols, kv_head], b_smem.at[slot], b_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[batch, cols, kv_head], v_smem.at[slot], v_bar.at[slot])
-        plgpu.copy_gmem_to_smem(kpos_ref.at[batch, cols], kpos_smem.at[slot],
-                                kpos_bar.at[slot])
+        return ((b_ref.at[batch, cols, kv_head], b_smem, b_bar),
+                (v_ref.at[batch, cols, kv_head], v_smem, v_bar),
+                (kpos_ref.at[batch, cols], kpos_smem, kpos_bar))
 
-      st.stream(u_lo, u_hi, stages, consumed, issue)
+      st.memory_warpgroup((tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]), stages, consumed,
+                          copies)
 
   tf = st.tile_transforms()
   wgs = st.COMPUTE_WGS
@@ -210,19 +208,16 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: 
 
     @pl.when(wg == st.COMPUTE_WGS)
     def _memory():
-      plgpu.set_max_registers(40, action="decrease")
-      u_lo, u_hi = tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]
-
-      def issue(s, slot):
+      def copies(s):
         rows = pl.ds(s * bq, bq)
-        for src, dst, bar in ((a_ref.at[batch, rows, head], a_smem, a_bar),
-                              (do_ref.at[batch, rows, head], do_smem, do_bar),
-                              (lse_ref.at[batch, head, rows], lse_smem, lse_bar),
-                              (delta_ref.at[batch, head, rows], delta_smem, delta_bar),
-                              (qpos_ref.at[batch, rows], qpos_smem, qpos_bar)):
-          plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
+        return ((a_ref.at[batch, rows, head], a_smem, a_bar),
+                (do_ref.at[batch, rows, head], do_smem, do_bar),
+                (lse_ref.at[batch, head, rows], lse_smem, lse_bar),
+                (delta_ref.at[batch, head, rows], delta_smem, delta_bar),
+                (qpos_ref.at[batch, rows], qpos_smem, qpos_bar))
 
-      st.stream(u_lo, u_hi, stages, consumed, issue)
+      st.memory_warpgroup((tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]), stages, consumed,
+                          copies)
 
   tf = st.tile_transforms()
   wgs = st.COMPUTE_WGS

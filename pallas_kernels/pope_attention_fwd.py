@@ -110,18 +110,16 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
 
     @pl.when(wg == st.COMPUTE_WGS)
     def _memory():
-      plgpu.set_max_registers(40, action="decrease")
       kv_head = lax.div(head, jnp.int32(group))
-      u_lo, u_hi = tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]
 
-      def issue(s, slot):
+      def copies(s):
         cols = pl.ds(s * bk, bk)
-        plgpu.copy_gmem_to_smem(b_ref.at[batch, cols, kv_head], b_smem.at[slot], b_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[batch, cols, kv_head], v_smem.at[slot], v_bar.at[slot])
-        plgpu.copy_gmem_to_smem(kpos_ref.at[batch, cols], kpos_smem.at[slot],
-                                kpos_bar.at[slot])
+        return ((b_ref.at[batch, cols, kv_head], b_smem, b_bar),
+                (v_ref.at[batch, cols, kv_head], v_smem, v_bar),
+                (kpos_ref.at[batch, cols], kpos_smem, kpos_bar))
 
-      st.stream(u_lo, u_hi, stages, consumed, issue)
+      st.memory_warpgroup((tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]), stages, consumed,
+                          copies)
 
   tf = st.tile_transforms()
   scratch = [
