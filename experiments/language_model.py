@@ -2,7 +2,8 @@
 
     python -m experiments.language_model                    # CPU default: Shakespeare, BPE 4096
     python -m experiments.language_model --preset smoke     # seconds, for tests
-    python -m experiments.language_model --preset paper     # GPT-2-124M shape (GPU)
+    python -m experiments.language_model --preset h200      # GPT-2-124M shape, Shakespeare (GPU)
+    python -m experiments.language_model --preset paper     # GPT-2-124M, 100k steps (GPU, OWT)
     python -m experiments.language_model --preset paper --data-dir /data/owt \\
         --splits train=train.bin,valid=val.bin                  # nanoGPT OpenWebText token files
 
@@ -59,6 +60,17 @@ PRESETS: dict[str, Preset] = {
                           data_workers=4),
         seq_len=1024, vocab_size=16384, train_stride=256,
         description="GPT-2-124M shape and the paper's OpenWebText schedule (GPU)"),
+    # GPT-2-124M shape on Shakespeare for one GPU: 500 steps of 16 x 1024 tokens (~6 passes over
+    # the training plays), dropout 0.1 against overfitting. Trained at L = 1024 for
+    # experiments.length_extrapolation --preset h200.
+    "h200": Preset(
+        model=dataclasses.replace(_GPT2, dtype="bfloat16", dropout_rate=0.1),
+        train=TrainConfig(steps=500, batch_size=16, learning_rate=6e-4, min_learning_rate=6e-5,
+                          warmup_steps=50, b2=0.95, eval_every=100, eval_batches=20,
+                          checkpoint_every=250, log_every=50, steps_per_call=10,
+                          data_workers=2),
+        seq_len=1024, vocab_size=8192, train_stride=256,
+        description="GPT-2-124M shape on Shakespeare (BPE 8192), 500 steps: minutes on one GPU"),
     "cpu": Preset(
         model=dataclasses.replace(_GPT2, num_layers=4, d_model=128, num_heads=4),
         train=TrainConfig(steps=300, batch_size=8, learning_rate=2e-3, min_learning_rate=2e-4,

@@ -2,7 +2,8 @@
 
     python -m experiments.length_extrapolation                  # CPU default (trained at 128)
     python -m experiments.length_extrapolation --preset smoke   # seconds, for tests
-    python -m experiments.length_extrapolation --preset paper   # GPT-2-124M at 1024 → 10 240 (GPU)
+    python -m experiments.length_extrapolation --preset h200    # GPT-2-124M on Shakespeare, 1024 → 10 240
+    python -m experiments.length_extrapolation --preset paper   # GPT-2-124M at 1024 → 10 240 (GPU, OWT)
 
 Models are trained at context L with `experiments.language_model` (runs are shared: the same --out
 reuses finished RoPE/PoPE models) and evaluated on the held-out split at L, 2L, ... 10L
@@ -53,6 +54,14 @@ PRESETS: dict[str, Preset] = {
         eval_batch_size=2, max_tokens=64 * 10240,
         description="GPT-2-124M trained at 1024, evaluated to 10 240; YaRN fine-tune 500 steps at "
                     "4096"),
+    "h200": Preset(
+        lm="h200", multiples=tuple(range(1, 11)), yarn_factor=4.0,
+        finetune=TrainConfig(steps=100, batch_size=4, learning_rate=6e-5, min_learning_rate=6e-6,
+                             warmup_steps=10, b2=0.95, eval_every=100, eval_batches=10,
+                             checkpoint_every=100, log_every=20, steps_per_call=10),
+        eval_batch_size=2, max_tokens=16 * 10240,
+        description="the language_model h200 models (GPT-2-124M shape, L = 1024) evaluated to "
+                    "10 240; YaRN fine-tune 100 steps at 4096"),
     "cpu": Preset(
         lm="cpu", multiples=tuple(range(1, 11)), yarn_factor=4.0,
         finetune=TrainConfig(steps=60, batch_size=8, learning_rate=2e-4, min_learning_rate=2e-5,

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU runs recorded in docs/results/, on one host with two H200s: one queue of jobs per GPU.
+#
+#   GPU 0: indirect indexing, paper preset, PoPE (seeds 0, 1 vmapped);
+#          then GPT-2-124M-shaped language models on Shakespeare + length extrapolation (h200
+#          presets); then JSB chorales, paper preset.
+#   GPU 1: indirect indexing, paper preset, RoPE (seeds 0, 1 vmapped);
+#          then the attention-kernel benchmark (check, block variants, GPT-2-124M train step),
+#          the Llama prefill/decode benchmark against transformers, and LPES latency (7B shape).
+#
+# Usage: bash scripts/h200_runs.sh [OUT]   (default runs/h200). Expects wheels, when the machine
+# lacks the packages: .whl_ii (grain, array-record, portpicker), .whl_kernel (tokamax and its
+# dependencies), .whl_jsb (music21 and its dependencies); the Shakespeare token files in .lm_data
+# (experiments.language_model's format) and the extracted chorales in .jsb_cache. Each job logs to
+# OUT/<job>.log; OUT/<queue>.done marks a finished queue. Jobs run in the background (setsid), so
+# the queues outlive the shell that starts them.
+set -u
+W=${1:-runs/h200}
+mkdir -p "$W"
+export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache
+site() {  # site DIR WHEEL_DIR: install the wheels once into DIR.
+  [ -d "$1" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target "$1" "$2"/*.whl
+}
+[ -d .whl_ii ] && site /tmp/site_ii .whl_ii
+[ -d .whl_kernel ] && site /tmp/site_kernel .whl_kernel
+export PYTHONPATH=/tmp/site_ii
+II="python3 -m experiments.indirect_indexing --preset paper --seeds 0,1 --dtype bfloat16
+    --attention-implementation xla --data-workers 3 --out $W/ii --no-progress"
+
+queue0() {
+  export CUDA_VISIBLE_DEVICES=0
+  $II --encodings pope > "$W/ii_pope.log" 2>&1
+  python3 -m experiments.length_extrapolation --preset h200 --data-dir .lm_data --out "$W/lm" \
+    --no-progress > "$W/lm.log" 2>&1
+  python3 -m experiments.language_model --preset h200 --data-dir .lm_data --out "$W/lm" \
+    --no-progress >> "$W/lm.log" 2>&1
+  while [ ! -d .whl_jsb ]; do sleep 5; done
+  site /tmp/site_jsb .whl_jsb
+  PYTHONPATH=/tmp/site_ii:/tmp/site_jsb POPE_JAX_CACHE=.jsb_cache \
+    python3 -m experiments.jsb --preset paper --out "$W/jsb" --no-progress > "$W/jsb.log" 2>&1
+  touch "$W/queue0.done"
+}
+
+queue1() {
+  export CUDA_VISIBLE_DEVICES=1
+  $II --encodings rope > "$W/ii_rope.log" 2>&1
+  PYTHONPATH=/tmp/site_ii:/tmp/site_kernel python3 -m experiments.bench_attention --check \
+    --variants --train-step --iters 10 --out "$W/bench_attention.json" \
+    > "$W/bench_attention.log" 2>&1
+  python3 -m experiments.bench_llama --suite gpu --out "$W/bench_llama.json" \
+    > "$W/bench_llama.log" 2>&1
+  python3 -m experiments.lpes_latency --preset llama-7b-shape --out "$W/lpes_latency" \
+    > "$W/lpes_latency.log" 2>&1
+  touch "$W/queue1.done"
+}
+
+export -f queue0 queue1 site
+export W II
+setsid bash -c queue0 > "$W/queue0.log" 2>&1 < /dev/null &
+setsid bash -c queue1 > "$W/queue1.log" 2>&1 < /dev/null &
+echo "started queues in $W"
