@@ -16,7 +16,7 @@ from lpes_jax.rope_scaling import RopeScaling
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_IMPLEMENTATIONS = ("xla", "jax_nn")
+ATTENTION_IMPLEMENTATIONS = ("xla", "jax_nn", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,8 +38,10 @@ class LlamaConfig:
     dtype: parameter and activation dtype: "float32", "bfloat16" or "float16". Norms, RoPE
       angles, softmax and logits are float32 regardless.
     attention_implementation: "xla" (reference: `pope_jax.attention.dot_product_attention_reference`,
-      float32 scores) or "jax_nn" (`jax.nn.dot_product_attention`, fused cuDNN kernel when XLA can
-      use it).
+      float32 scores), "jax_nn" (`jax.nn.dot_product_attention` with a mask array: XLA, scores
+      materialised in the model dtype) or "cudnn" (NVIDIA GPUs: cuDNN flash attention with its own
+      causal mask for calls without cache, padding or explicit positions, i.e. plain prefill and
+      scoring; "jax_nn" for the other calls).
     bos_token_id, eos_token_ids, pad_token_id: special ids from the checkpoint (may be None/empty).
   """
   model_type: str = "llama"

@@ -150,8 +150,10 @@ def greedy_generate(
     B lists of new token ids.
 
   Raises:
-    ValueError: empty prompt, or a prompt (plus max_new_tokens) longer than max_cache_len.
+    ValueError: no prompts, an empty prompt, or a prompt (plus max_new_tokens) longer than max_cache_len.
   """
+  if not prompts:
+    raise ValueError("prompts is empty: give at least one prompt")
   if any(len(p) == 0 for p in prompts):
     raise ValueError("every prompt needs at least one token")
   longest = max(len(p) for p in prompts)

@@ -98,15 +98,24 @@ class RMSNorm(nn.Module):
     return weight * xf.astype(x.dtype)
 
 
-def _attend(q: Array, k: Array, v: Array, mask: Array, *, implementation: str) -> Array:
-  """Softmax attention [B, T, N, H] × [B, S, K, H] → [B, T, N, H] in q's dtype."""
+def _attend(q: Array, k: Array, v: Array, mask: Array, *, implementation: str,
+            plain_causal: bool) -> Array:
+  """Softmax attention [B, T, N, H] × [B, S, K, H] → [B, T, N, H] in q's dtype.
+
+  `plain_causal`: the mask is exactly the top-left causal mask of T == S tokens (no padding, no
+  cache, default positions), which "cudnn" hands to the fused kernel instead of a mask array.
+  """
   scale = 1.0 / math.sqrt(q.shape[-1])
   if implementation == "xla":
     out = pope_attention_lib.dot_product_attention_reference(q, k, v, scale=scale, mask=mask)
-  elif implementation == "jax_nn":
+  elif implementation == "cudnn" and plain_causal:
+    out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                       implementation=pope_attention_lib.CUDNN_BACKEND)
+  elif implementation in ("jax_nn", "cudnn"):
     out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale)
   else:
-    raise ValueError(f"attention_implementation must be 'xla' or 'jax_nn', got {implementation!r}")
+    raise ValueError(f"attention_implementation must be 'xla', 'jax_nn' or 'cudnn', got "
+                     f"{implementation!r}")
   return out.astype(q.dtype)
 
 
@@ -118,8 +127,8 @@ class Attention(nn.Module):
   def __call__(self, x, *, positions, multiplier, keys):
     """x [B, T, D]; positions [B, T]; multiplier None or [N]; keys: dict of the key side.
 
-    `keys` holds "k", "v" ([B, S, K, H] cache or None), "positions" [B, S], "valid" [B, S] and
-    "index" (slot of the first new token). Returns (out [B, T, D], (k_all, v_all)).
+    `keys` holds "k", "v" ([B, S, K, H] cache or None), "positions" [B, S], "valid" [B, S],
+    "index" (slot of the first new token) and "plain" (no cache, padding or explicit positions). Returns (out [B, T, D], (k_all, v_all)).
     """
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
@@ -143,7 +152,8 @@ class Attention(nn.Module):
     if cfg.sliding_window is not None:
       mask = mask & (positions[:, :, None] - keys["positions"][:, None, :] < cfg.sliding_window)
     out = _attend(q, k.astype(dtype), v.astype(dtype), mask,
-                  implementation=cfg.attention_implementation)                # [B, T, N, H]
+                  implementation=cfg.attention_implementation,
+                  plain_causal=keys["plain"] and cfg.sliding_window is None)  # [B, T, N, H]
     out = dense(cfg.hidden_size, cfg.o_bias, "o_proj")(out.reshape(b, t, n * h))
     return out, (k, v)
 
@@ -211,11 +221,13 @@ class Llama(nn.Module):
       "hidden_states" (apply with `mutable=["intermediates"]` to read them).
 
     Raises:
-      ValueError: bad multiplier shape; T larger than the cache's free slots (when static).
+      ValueError: bad multiplier shape; T larger than the cache's free slots (checked when the
+        cache index is concrete; under jit only against the cache length).
     """
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     b, t = tokens.shape
+    plain = kv_cache is None and attention_mask is None and positions is None
     if attention_mask is None:
       attention_mask = jnp.ones((b, t), bool)
     attention_mask = jnp.asarray(attention_mask).astype(bool)
@@ -223,12 +235,17 @@ class Llama(nn.Module):
       if positions is None:
         positions = padded_positions(attention_mask)
       keys = {"k": None, "v": None, "positions": positions, "valid": attention_mask,
-              "index": 0}
+              "index": 0, "plain": plain}
     else:
       max_len = kv_cache["positions"].shape[1]
-      if t > max_len:
-        raise ValueError(f"{t} new tokens do not fit a KV cache of {max_len} slots")
       index = kv_cache["index"]
+      try:
+        free = max_len - int(index)      # Concrete index (eager calls): check the free slots.
+      except (TypeError, jax.errors.ConcretizationTypeError):
+        free = max_len                   # Traced index: only the cache length is static.
+      if t > free:
+        raise ValueError(f"{t} new tokens do not fit the KV cache: {free} of its {max_len} "
+                         f"slots are free")
       if positions is None:
         positions = padded_positions(attention_mask, jnp.sum(kv_cache["valid"], axis=-1))
       keys = {
@@ -236,6 +253,7 @@ class Llama(nn.Module):
                                                     positions.astype(jnp.int32), (0, index)),
           "valid": jax.lax.dynamic_update_slice(kv_cache["valid"], attention_mask, (0, index)),
           "index": index,
+          "plain": False,
       }
     positions = jnp.asarray(positions, jnp.int32)
     mult = layer_multipliers(rope_multipliers, cfg.num_layers, cfg.num_heads)

@@ -68,6 +68,21 @@ def _check(q, k, v, delta) -> None:
     raise ValueError(f"delta must have shape {q.shape[2:]}, got {delta.shape}")
 
 
+def _check_platform() -> None:
+  """Raises NotImplementedError off GPU unless the Mosaic GPU interpreter is forced (tests)."""
+  if jax.default_backend() == "gpu":
+    return
+  try:  # The interpreter switch has no public getter; read the config it sets.
+    from jax._src import config as jax_config
+    interpreting = jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+  except (ImportError, AttributeError):
+    interpreting = False
+  if not interpreting:
+    raise NotImplementedError(
+        f"pallas PoPE attention runs on NVIDIA Hopper GPUs, not on {jax.default_backend()!r}; "
+        f"use implementation='xla' or None (or plgpu.force_gpu_interpret_mode() for tests)")
+
+
 def _pad_to(x, length: int, axis: int, value=0):
   pad = [(0, 0)] * x.ndim
   pad[axis] = (0, length - x.shape[axis])
@@ -151,7 +166,7 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
     base: frequency base of θ_c = base^(-c/H).
     is_causal: key s visible to query t iff k_pos[s] <= q_pos[t].
     q_positions, k_positions: [T] / [S] or [B, T] / [B, S] int; default: keys arange(S),
-      queries S - T + arange(T).
+      queries S - T + arange(T) when T <= S, else arange(T).
     scale: logit scale, default 1/sqrt(H).
     block_sizes: tile sizes; default `default_block_sizes(H)`.
 
@@ -159,10 +174,12 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
     [B, T, N, V] in q's dtype; zero rows where no key is visible.
 
   Raises:
-    NotImplementedError: dtype, head dim or value dim the kernel does not support.
+    NotImplementedError: dtype, head dim or value dim the kernel does not support, or a backend
+      other than GPU (outside the Mosaic GPU interpreter).
     ValueError: shapes that do not agree.
   """
   _check(q, k, v, delta)
+  _check_platform()
   h = q.shape[-1]
   blocks = default_block_sizes(h) if block_sizes is None else block_sizes
   scale = 1.0 / math.sqrt(h) if scale is None else scale

@@ -3,14 +3,16 @@
 Public API: `pope_attention`, `rope_attention`, and the reference `dot_product_attention_reference`.
 Each op dispatches on `implementation=`: "xla" is the reference (float32 math, materialised
 scores); "pallas" (PoPE only) is the fused Mosaic GPU kernel in `pallas_kernels`, imported lazily so a
-CPU-only install imports fine. `implementation=None` picks the fastest correct path for the platform.
+CPU-only install imports fine; "cudnn" (RoPE only) rotates q and k and calls cuDNN flash attention
+through `jax.nn.dot_product_attention`. `implementation=None` picks the fastest correct path for the platform.
 
 Shape letters: B batch, T query length, S key length, N query heads, K kv heads (N % K == 0),
 H q/k head dim, V value head dim.
 
 Causal masking is by absolute position: key s is visible to query t iff k_pos[s] <= q_pos[t].
 Positions default to arange(S) for keys and S - T + arange(T) for queries, so with T < S the
-queries are the last T positions (bottom-right aligned, as KV-cache decoding needs). A query row
+queries are the last T positions (bottom-right aligned, as KV-cache decoding needs); with T > S
+queries default to arange(T). A query row
 with no visible key returns zeros (never NaN) and has finite gradients.
 """
 
@@ -133,6 +135,7 @@ def _pope_xla(q, k, v, delta, *, base, is_causal, q_positions, k_positions, scal
 
 
 def _check_delta(delta: Array, q: Array) -> Array:
+  delta = jnp.asarray(delta)
   if delta.shape != q.shape[2:]:
     raise ValueError(
         f"delta must have shape [num_heads, head_dim] = {tuple(q.shape[2:])}, got {delta.shape}")
@@ -204,6 +207,7 @@ def pope_attention(
     cannot run these inputs (never a silent fallback).
   """
   _check_qkv(query, key, value)
+  delta = None if delta is None else jnp.asarray(delta)
   q_pos, k_pos = _positions(query, key, q_positions, k_positions, key_mask)
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
   if implementation is None:
@@ -241,22 +245,53 @@ def rope_attention(
     base, multiplier, layout, frequencies: see `encodings.apply_rope`.
     is_causal, q_positions, k_positions, scale, key_mask: as in `pope_attention` (scale default
       1/sqrt(H)).
-    implementation: None or "xla" (reference, materialised scores).
+    implementation: None (best available: "cudnn" on NVIDIA GPUs for bf16/fp16 inputs with
+      default positions, T == S, no key_mask, V == H <= 128; else "xla"), "xla" (reference,
+      float32, materialised scores) or "cudnn" (rotate, then cuDNN flash attention through
+      `jax.nn.dot_product_attention`; NotImplementedError for inputs it cannot run exactly).
 
   Returns:
     [B, T, N, V] in the query's dtype.
 
   Raises:
     ValueError: mismatched shapes, odd head dim or unknown implementation.
+    NotImplementedError: implementation="cudnn" with positions, a key_mask or T != S.
   """
   _check_qkv(query, key, value)
-  if implementation not in (None, "xla"):
-    raise ValueError(f"rope_attention implementation must be None or 'xla', got {implementation!r}")
+  # cuDNN's fused kernel applies its own (top-left) causal mask: exact for default positions with
+  # T == S and no key mask; every other case needs the general, position-based mask.
+  plain = (q_positions is None and k_positions is None and key_mask is None
+           and query.shape[1] == key.shape[1])
+  if implementation is None:
+    implementation = "cudnn" if plain and _cudnn_supports(query, value) else "xla"
+  if implementation not in ("xla", "cudnn"):
+    raise ValueError(f"rope_attention implementation must be None, 'xla' or 'cudnn', got "
+                     f"{implementation!r}")
+  if implementation == "cudnn" and not plain:
+    raise NotImplementedError(
+        "rope_attention implementation='cudnn' needs default positions, T == S and no key_mask; "
+        "use implementation='xla'")
   q_pos, k_pos = _positions(query, key, q_positions, k_positions, key_mask)
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
   rope = dict(base=base, layout=layout, frequencies=frequencies)
   qr = encodings.apply_rope(query, q_pos, multiplier=multiplier, **rope)
   kmult = encodings.kv_head_multiplier(multiplier, query.shape[2], key.shape[2])
   kr = encodings.apply_rope(key, k_pos, multiplier=kmult, **rope)
+  if implementation == "cudnn":
+    return jax.nn.dot_product_attention(qr, kr, value, scale=scale, is_causal=is_causal,
+                                        implementation=CUDNN_BACKEND)
   mask = attention_mask(q_pos, k_pos, is_causal=is_causal, k_valid=key_mask)
-  return dot_product_attention_reference(qr, kr, value, scale=scale, mask=mask).astype(query.dtype)
+  return dot_product_attention_reference(qr, kr, value, scale=scale, mask=mask
+                                         ).astype(query.dtype)
+
+
+# `jax.nn.dot_product_attention` backend of implementation="cudnn" (tests swap in "xla" on CPU).
+CUDNN_BACKEND = "cudnn"
+
+
+def _cudnn_supports(q: Array, v: Array) -> bool:
+  """Whether cuDNN flash attention takes these operands on this platform (NVIDIA GPU)."""
+  device = jax.devices()[0]
+  return (device.platform == "gpu" and "NVIDIA" in getattr(device, "device_kind", "NVIDIA")
+          and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] == v.shape[-1]
+          and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128)

@@ -175,9 +175,11 @@ def apply_rope(
   Raises:
     ValueError: odd head dim, bad shapes or unknown layout.
   """
+  if x.shape[-1] % 2:
+    raise ValueError(f"RoPE needs an even head dim, got x of shape {x.shape}")
   if frequencies is None:
     frequencies = rope_frequencies(x.shape[-1], base)
-  elif frequencies.shape != (x.shape[-1] // 2,):
+  elif jnp.shape(frequencies) != (x.shape[-1] // 2,):
     raise ValueError(f"frequencies must have shape [{x.shape[-1] // 2}], got {frequencies.shape}")
   freqs = scale_frequencies(frequencies, multiplier)
   _check_heads(x, freqs, "x")

@@ -60,10 +60,11 @@ class PositionalAttention(nn.Module):
     dense = lambda heads, name: nn.DenseGeneral(
         (heads, h), use_bias=False, dtype=self.dtype, name=name)
     q, k, v = dense(n, "query")(x), dense(kh, "key")(x), dense(kh, "value")(x)  # [B, T, N|K, H]
-    if positions is None:
-      positions = jnp.arange(x.shape[1], dtype=jnp.int32)
+    # Default positions stay None so the attention ops can use a fused kernel's own causal mask.
     common = dict(is_causal=True, q_positions=positions, k_positions=positions,
                   multiplier=multiplier)
+    if positions is None:
+      positions = jnp.arange(x.shape[1], dtype=jnp.int32)
     if self.pos_encoding == "pope":
       delta = self.param("delta", lambda key, shape: encodings.init_phase_bias(
           key, shape, self.delta_init), (n, h))

@@ -13,7 +13,8 @@
 # dependencies), .whl_jsb (music21 and its dependencies); the Shakespeare token files in .lm_data
 # (experiments.language_model's format) and the extracted chorales in .jsb_cache. Each job logs to
 # OUT/<job>.log; OUT/<queue>.done marks a finished queue. Jobs run in the background (setsid), so
-# the queues outlive the shell that starts them.
+# the queues outlive the shell that starts them. Inputs are copied to /tmp first: a later sync of the
+# working tree may remove untracked folders the queues still need.
 set -u
 W=${1:-runs/h200}
 mkdir -p "$W"
@@ -24,6 +25,7 @@ site() {  # site DIR WHEEL_DIR: install the wheels once into DIR.
 }
 [ -d .whl_ii ] && site /tmp/site_ii .whl_ii
 [ -d .whl_kernel ] && site /tmp/site_kernel .whl_kernel
+for d in .lm_data .jsb_cache; do [ -d "$d" ] && rm -rf "/tmp/$d" && cp -r "$d" "/tmp/$d"; done
 export PYTHONPATH=/tmp/site_ii
 II="python3 -m experiments.indirect_indexing --preset paper --seeds 0,1 --dtype bfloat16
     --attention-implementation xla --data-workers 3 --out $W/ii --no-progress"
@@ -31,13 +33,13 @@ II="python3 -m experiments.indirect_indexing --preset paper --seeds 0,1 --dtype 
 queue0() {
   export CUDA_VISIBLE_DEVICES=0
   $II --encodings pope > "$W/ii_pope.log" 2>&1
-  python3 -m experiments.length_extrapolation --preset h200 --data-dir .lm_data --out "$W/lm" \
+  python3 -m experiments.length_extrapolation --preset h200 --data-dir /tmp/.lm_data --out "$W/lm" \
     --no-progress > "$W/lm.log" 2>&1
-  python3 -m experiments.language_model --preset h200 --data-dir .lm_data --out "$W/lm" \
+  python3 -m experiments.language_model --preset h200 --data-dir /tmp/.lm_data --out "$W/lm" \
     --no-progress >> "$W/lm.log" 2>&1
-  while [ ! -d .whl_jsb ]; do sleep 5; done
+  while [ ! -d .whl_jsb ] && [ ! -d /tmp/site_jsb ]; do sleep 5; done  # may come with a later call
   site /tmp/site_jsb .whl_jsb
-  PYTHONPATH=/tmp/site_ii:/tmp/site_jsb POPE_JAX_CACHE=.jsb_cache \
+  PYTHONPATH=/tmp/site_ii:/tmp/site_jsb POPE_JAX_CACHE=/tmp/.jsb_cache \
     python3 -m experiments.jsb --preset paper --out "$W/jsb" --no-progress > "$W/jsb.log" 2>&1
   touch "$W/queue0.done"
 }

@@ -109,3 +109,31 @@ def test_prompt_longer_than_cache_is_an_error(params):
                      kv_cache=init_kv_cache(CFG, 1, 16))
   with pytest.raises(ValueError, match="rope_multipliers"):
     Llama(CFG).apply({"params": params}, jnp.ones((1, 4), jnp.int32), rope_multipliers=jnp.ones(5))
+  with pytest.raises(ValueError, match="at least one prompt"):
+    greedy_generate(CFG, params, [], max_new_tokens=2)
+
+
+def test_kv_cache_overflow_is_an_error(params):
+  model = Llama(CFG)
+  _, cache = model.apply({"params": params}, jnp.ones((1, 6), jnp.int32),
+                         kv_cache=init_kv_cache(CFG, 1, 8))
+  with pytest.raises(ValueError, match="2 of its 8 slots are free"):
+    model.apply({"params": params}, jnp.ones((1, 4), jnp.int32), kv_cache=cache)
+
+
+def test_cudnn_implementation_matches_reference(params, monkeypatch):
+  """"cudnn" (plain prefill through jax.nn's fused op, run here by its XLA backend; masked calls
+  through "jax_nn") gives the reference's logits, with and without padding and a KV cache."""
+  from pope_jax import attention
+  monkeypatch.setattr(attention, "CUDNN_BACKEND", "xla")
+  cfg = dataclasses.replace(CFG, attention_implementation="cudnn")
+  tokens = jax.random.randint(jax.random.key(1), (2, 7), 3, CFG.vocab_size)
+  mask = jnp.array([[0, 0, 1, 1, 1, 1, 1], [1] * 7], bool)
+  for kw in ({}, {"attention_mask": mask}):
+    ref = Llama(CFG).apply({"params": params}, tokens, **kw)
+    out = Llama(cfg).apply({"params": params}, tokens, **kw)
+    np.testing.assert_allclose(out, ref, atol=1e-4)
+  cache = init_kv_cache(CFG, 2, 16)
+  ref, _ = Llama(CFG).apply({"params": params}, tokens, kv_cache=cache)
+  out, _ = Llama(cfg).apply({"params": params}, tokens, kv_cache=cache)
+  np.testing.assert_allclose(out, ref, atol=1e-4)

@@ -113,6 +113,9 @@ def test_unsupported_inputs_raise():
   assert kernel.is_supported(q16, q16, q16)
   assert not kernel.is_supported(q16, q16, spec((1, 8, 2, 64), jnp.float32))  # mixed dtypes
   assert not kernel.is_supported(q16, q16, spec((1, 8, 2, 512)))              # value dim
+  q64 = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="Hopper"):                   # CPU, no interpreter
+    kernel.pope_attention(q64, q64, q64)
 
 
 def test_block_sizes_validate():

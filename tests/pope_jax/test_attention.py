@@ -124,11 +124,48 @@ def test_rope_gradients_match_finite_differences():
               order=1, modes=("rev",), eps=1e-2, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("n, k, causal", [(4, 2, True), (2, 2, False), (4, 1, True)])
+def test_rope_cudnn_path_matches_xla_reference(monkeypatch, n, k, causal):
+  """The "cudnn" branch (rotation, then jax.nn's fused op with its own causal mask), run on CPU
+  through jax.nn's XLA backend, equals the reference in value and gradient."""
+  monkeypatch.setattr(attention, "CUDNN_BACKEND", "xla")
+  q, kk, v, _ = _qkv(b=2, t=6, s=6, n=n, k=k, h=8, seed=3)
+  run = lambda impl: lambda q, kk, v: attention.rope_attention(q, kk, v, is_causal=causal,
+                                                               implementation=impl)
+  np.testing.assert_allclose(run("cudnn")(q, kk, v), run("xla")(q, kk, v), atol=2e-5)
+  grads = [jax.grad(lambda *a: jnp.sum(run(impl)(*a) ** 2), argnums=(0, 1, 2))(q, kk, v)
+           for impl in ("xla", "cudnn")]
+  for gx, gc in zip(*grads):
+    np.testing.assert_allclose(gc, gx, atol=2e-4)
+
+
+@pytest.mark.parametrize("kw, t, s", [
+    (dict(q_positions=jnp.arange(6)), 6, 6), (dict(key_mask=jnp.ones((2, 6), bool)), 6, 6),
+    ({}, 3, 6)])
+def test_rope_cudnn_refuses_what_its_causal_mask_cannot_express(kw, t, s):
+  q, kk, v, _ = _qkv(t=t, s=s)
+  with pytest.raises(NotImplementedError, match="cudnn"):
+    attention.rope_attention(q, kk, v, is_causal=True, implementation="cudnn", **kw)
+
+
+def test_rope_default_implementation_is_the_reference_on_cpu():
+  q, kk, v, _ = _qkv(dtype=jnp.bfloat16)
+  np.testing.assert_array_equal(attention.rope_attention(q, kk, v, is_causal=True),
+                                attention.rope_attention(q, kk, v, is_causal=True,
+                                                         implementation="xla"))
+
+
 def test_gqa_multipliers_must_agree_within_a_group():
   q, k, v, delta = _qkv(n=4, k=2)
   attention.pope_attention(q, k, v, delta, multiplier=jnp.array([1.0, 1.0, 0.5, 0.5]))
   with pytest.raises(ValueError, match="GQA group"):
     attention.pope_attention(q, k, v, delta, multiplier=jnp.array([1.0, 2.0, 1.0, 2.0]))
+
+
+def test_delta_may_be_a_python_list():
+  q, k, v, delta = _qkv()
+  np.testing.assert_allclose(attention.pope_attention(q, k, v, delta.tolist()),
+                             attention.pope_attention(q, k, v, delta), atol=1e-6)
 
 
 def test_output_dtype_follows_query():
@@ -147,6 +184,12 @@ def test_output_dtype_follows_query():
     (lambda q, k, v, d: attention.pope_attention(q, k, v, d, implementation="pallas",
                                                  multiplier=0.5), NotImplementedError, "pallas"),
     (lambda q, k, v, d: attention.rope_attention(q[..., :7], k[..., :7], v), ValueError, "even"),
+    (lambda q, k, v, d: attention.rope_attention(q[..., :7], k[..., :7], v,
+                                                 frequencies=jnp.ones(3)), ValueError, "even"),
+    (lambda q, k, v, d: attention.pope_attention(q, k, v, d, implementation="pallas"),
+     NotImplementedError, "Hopper"),
+    (lambda q, k, v, d: attention.rope_attention(q, k, v, implementation="pallas"), ValueError,
+     "implementation"),
     (lambda q, k, v, d: attention.rope_attention(q, k[..., :4], v), ValueError, "head dim"),
     (lambda q, k, v, d: attention.pope_attention(q.astype(jnp.int32), k, v, d), TypeError,
      "query"),
