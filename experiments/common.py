@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
 import tempfile
@@ -29,6 +30,9 @@ def run_metadata(seed: int | None = None) -> dict[str, Any]:
 
 
 def to_jsonable(obj: Any) -> Any:
+  """Dataclasses and tuples as dicts and lists; NaN and infinities as None (JSON null)."""
+  if isinstance(obj, float) and not math.isfinite(obj):
+    return None
   if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
     return {k: to_jsonable(v) for k, v in dataclasses.asdict(obj).items()}
   if isinstance(obj, dict):
@@ -39,11 +43,11 @@ def to_jsonable(obj: Any) -> Any:
 
 
 def write_json(path: str | Path, obj: Any) -> None:
-  """Writes JSON atomically (temp file + rename), so a crash never leaves half a file."""
+  """Writes standard JSON (NaN as null) atomically: temp file + rename, never half a file."""
   path = Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-    json.dump(to_jsonable(obj), f, indent=2)
+    json.dump(to_jsonable(obj), f, indent=2, allow_nan=False)
   os.chmod(f.name, 0o644)
   os.replace(f.name, path)
 

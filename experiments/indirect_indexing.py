@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 from pathlib import Path
 
 from experiments import common
 from pope_jax.config import MODEL_PRESETS, ModelConfig, TrainConfig
 from pope_jax.data import indirect_indexing as task
-from pope_jax.train import train_and_evaluate
+from pope_jax.train import config_diff, has_checkpoints, train_and_evaluate
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,6 +74,10 @@ def run_encoding(preset: Preset, encoding: str, seeds: list[int], out: Path, *, 
   """Trains all seeds of one encoding side by side (vmapped) in OUT/<encoding>/.
 
   Returns one result dict per seed (also written to OUT/<encoding>/result.json).
+
+  Raises:
+    ValueError: resume=True and OUT/<encoding> holds a finished run with other settings.
+    NotADirectoryError: OUT/<encoding>/checkpoints is a file.
   """
   workdir = out / encoding
   result_file = workdir / "result.json"
@@ -80,12 +85,15 @@ def run_encoding(preset: Preset, encoding: str, seeds: list[int], out: Path, *, 
   config = {"task": preset.task, "model": model_cfg, "train": preset.train}
   if resume and result_file.exists():
     done = json.loads(result_file.read_text())
-    if done["seeds"] != seeds or done["config"] != json.loads(json.dumps(common.to_jsonable(config))):
+    diff = config_diff(done["config"], json.loads(json.dumps(common.to_jsonable(config))))
+    diff += ["seeds"] if done["seeds"] != seeds else []
+    if diff:
       raise ValueError(f"--resume: {result_file} holds a finished run with another configuration "
-                       f"or seeds; use another --out")
+                       f"or seeds (differs in {', '.join(diff)}); use another --out")
     return done["runs"]
-  # --resume continues an encoding that has checkpoints and starts one that has none yet.
-  resume = resume and any(p.name.isdigit() for p in (workdir / "checkpoints").glob("*"))
+  # --resume continues an encoding that has checkpoints and starts one that has none yet (a file
+  # named checkpoints is an error, not "not begun").
+  resume = resume and has_checkpoints(workdir)
   sources = {split: task.IndirectIndexingSource(preset.task, split)
              for split in ("train", "validation", "test")}
   results = train_and_evaluate(
@@ -119,12 +127,13 @@ def summarize(out: Path) -> dict:
   for enc, rs in by_enc.items():
     accs = [100 * r["test_accuracy"] for r in rs]
     sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
+    speed = rs[0]["steps_per_second"]  # None (NaN in older files) when it was not measured.
+    speed = None if speed is None or math.isnan(speed) else speed
     summary[enc] = {"test_accuracy_mean": statistics.mean(accs), "test_accuracy_sd": sd,
-                    "seeds": [r["seed"] for r in rs], "per_seed": accs,
-                    "steps_per_second": rs[0]["steps_per_second"]}
+                    "seeds": [r["seed"] for r in rs], "per_seed": accs, "steps_per_second": speed}
     spread = f" ± {sd:.2f}" if len(accs) > 1 else " (1 seed)"
     rows.append([enc, f"{statistics.mean(accs):.2f}{spread}", len(accs),
-                 ", ".join(f"{a:.2f}" for a in accs), f"{rs[0]['steps_per_second']:.1f}"])
+                 ", ".join(f"{a:.2f}" for a in accs), "n/a" if speed is None else f"{speed:.1f}"])
   table = common.markdown_table(
       ["encoding", "test accuracy % (mean ± sd)", "seeds", "per seed",
        "steps/s (all seeds together)"], rows)
@@ -162,25 +171,43 @@ def main(argv: list[str] | None = None) -> dict:
   args = parser.parse_args(argv)
 
   if not args.summarize:
-    preset = PRESETS[args.preset]
-    overrides = {k: v for k, v in {
-        "batch_size": args.batch_size, "steps_per_call": args.steps_per_call,
-        "data_workers": args.data_workers}.items() if v is not None}
-    train = dataclasses.replace(preset.train, **overrides)
-    if args.steps is not None:
-      train = common.with_steps(train, args.steps)
-    preset = dataclasses.replace(preset, train=train)
-    model_overrides = {k: v for k, v in {
-        "dtype": args.dtype, "attention_implementation": args.attention_implementation}.items()
-        if v is not None}
-    if model_overrides:
-      preset = dataclasses.replace(preset, model=dataclasses.replace(preset.model,
-                                                                     **model_overrides))
-    encodings = [e.strip() for e in args.encodings.split(",") if e.strip()]
+    encodings = list(dict.fromkeys(e.strip() for e in args.encodings.split(",") if e.strip()))
+    if not encodings:
+      parser.error("--encodings: name at least one of rope, pope, none")
     for enc in encodings:
       if enc not in ENCODINGS:
-        raise SystemExit(f"--encodings: unknown encoding {enc!r} (choose from rope, pope, none)")
-    seeds = [int(s) for s in args.seeds.split(",")]
+        parser.error(f"--encodings: unknown encoding {enc!r} (choose from rope, pope, none)")
+    try:
+      seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+      parser.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+    if min(seeds) < 0 or len(set(seeds)) != len(seeds):
+      parser.error(f"--seeds: expected distinct non-negative integers, got {args.seeds!r}")
+    preset = PRESETS[args.preset]
+    spc = args.steps_per_call
+    if spc is not None and spc > 0:
+      bad = [f"{k}={getattr(preset.train, k)}"
+             for k in ("steps", "eval_every", "checkpoint_every", "log_every")
+             if getattr(preset.train, k) % spc]
+      if bad:
+        parser.error(f"--steps-per-call {spc} must divide the --preset {args.preset} settings "
+                     f"{', '.join(bad)}")
+    try:  # Configs validate themselves: report their ValueErrors as usage errors.
+      overrides = {k: v for k, v in {
+          "batch_size": args.batch_size, "steps_per_call": spc,
+          "data_workers": args.data_workers}.items() if v is not None}
+      train = dataclasses.replace(preset.train, **overrides)
+      if args.steps is not None:
+        train = common.with_steps(train, args.steps)
+      preset = dataclasses.replace(preset, train=train)
+      model_overrides = {k: v for k, v in {
+          "dtype": args.dtype, "attention_implementation": args.attention_implementation}.items()
+          if v is not None}
+      if model_overrides:
+        preset = dataclasses.replace(preset, model=dataclasses.replace(preset.model,
+                                                                       **model_overrides))
+    except ValueError as e:
+      parser.error(str(e))
     try:
       for enc in encodings:
         for r in run_encoding(preset, enc, seeds, args.out, resume=args.resume,
@@ -190,7 +217,10 @@ def main(argv: list[str] | None = None) -> dict:
     except KeyboardInterrupt:
       raise SystemExit(f"interrupted: finished checkpoints are kept in {args.out}; continue with "
                        f"the same command and --resume") from None
-  return summarize(args.out)
+  try:
+    return summarize(args.out)
+  except FileNotFoundError as e:
+    parser.error(f"--summarize: {e}" if args.summarize else str(e))
 
 
 if __name__ == "__main__":

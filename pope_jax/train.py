@@ -28,6 +28,7 @@ import dataclasses
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -58,7 +59,11 @@ class TrainState:
 
 @dataclasses.dataclass
 class TrainResult:
-  """One seed's outcome: final params (host), final metrics per split, history, speed."""
+  """One seed's outcome: final params (host), final metrics per split, history, speed.
+
+  `steps_per_second` is measured over the steps this call trained; a run resumed after training
+  had finished reports the speed logged by the run that trained it (NaN if none was logged).
+  """
   seed: int
   params: Any
   metrics: dict[str, dict[str, float]]
@@ -213,26 +218,72 @@ def evaluate(eval_step, params, sources: Mapping[str, Any], batch_size: int,
 
 
 def _read_history(path: Path, up_to: int) -> list[dict]:
-  """Metrics lines logged up to the resumed step (later ones are recomputed)."""
+  """Metrics lines logged up to the resumed step (later ones are recomputed).
+
+  An unparseable last line (a record cut short by a crash) is dropped with a warning.
+
+  Raises:
+    ValueError: a line other than the last is not valid JSON.
+  """
   if not path.exists():
     return []
-  return [r for r in map(json.loads, path.read_text().splitlines()) if r["step"] <= up_to]
+  lines = path.read_text().splitlines()
+  records = []
+  for i, line in enumerate(lines):
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      if i < len(lines) - 1:
+        raise ValueError(f"{path}: line {i + 1} is not valid JSON ({e.msg}); the metrics log is "
+                         f"corrupt") from e
+      warnings.warn(f"{path}: dropping its last line, a record cut short ({e.msg})", stacklevel=2)
+  return [r for r in records if r["step"] <= up_to]
+
+
+# run.json fields that do not change results, so a resumed run may change them.
+RESULT_NEUTRAL_FIELDS = ("train.data_workers",)
+
+
+def config_diff(saved: Any, new: Any, ignore: Sequence[str] = RESULT_NEUTRAL_FIELDS,
+                prefix: str = "") -> list[str]:
+  """Dotted names of the fields in which two JSON configs differ (e.g. "train.batch_size")."""
+  if prefix in ignore:
+    return []
+  if not (isinstance(saved, dict) and isinstance(new, dict)):
+    return [] if saved == new else [prefix or "(whole file)"]
+  return [d for k in sorted(set(saved) | set(new))
+          for d in config_diff(saved.get(k), new.get(k), ignore, f"{prefix}.{k}".lstrip("."))]
+
+
+def has_checkpoints(workdir: Path) -> bool:
+  """Whether `workdir/checkpoints` holds step folders (a run has begun there).
+
+  Raises:
+    NotADirectoryError: `workdir/checkpoints` exists but is not a folder.
+  """
+  path = (Path(workdir) / "checkpoints").absolute()
+  if path.exists() and not path.is_dir():
+    raise NotADirectoryError(f"{path} is not a folder: move it away or use another output folder")
+  return path.is_dir() and any(p.name.isdigit() and p.is_dir() for p in path.iterdir())
 
 
 def checkpoint_manager(workdir: Path, run_info: dict, *, resume: bool) -> ocp.CheckpointManager:
   """Orbax manager under `workdir/checkpoints`, refusing to mix a run with another one.
 
   `run_info` (configs and seeds) is written to `workdir/run.json` on a fresh start and compared
-  on resume.
+  on resume (except `RESULT_NEUTRAL_FIELDS`). Temporary folders of saves cut short
+  (`*.orbax-checkpoint-tmp-*`) are deleted.
 
   Raises:
     FileExistsError: resume=False but checkpoints exist (pass resume or pick another workdir).
     FileNotFoundError: resume=True but the checkpoint folder is missing or empty.
-    ValueError: resume=True with a configuration that differs from the checkpointed run's.
+    NotADirectoryError: `workdir/checkpoints` is a file.
+    ValueError: resume=True with a configuration that differs from the checkpointed run's, or
+      an unreadable run.json.
   """
   path = (workdir / "checkpoints").absolute()
   info_file = workdir / "run.json"
-  exists = path.is_dir() and any(p.name.isdigit() for p in path.iterdir())
+  exists = has_checkpoints(workdir)
   if resume and not exists:
     raise FileNotFoundError(f"--resume: no checkpoint found in {path}")
   if not resume and exists:
@@ -240,29 +291,66 @@ def checkpoint_manager(workdir: Path, run_info: dict, *, resume: bool) -> ocp.Ch
                           f"output folder")
   info = json.loads(json.dumps(run_info, default=str))
   if resume:
-    saved = json.loads(info_file.read_text()) if info_file.exists() else None
-    if saved is not None and saved != info:
-      diff = sorted(k for k in set(saved) | set(info) if saved.get(k) != info.get(k))
-      raise ValueError(f"cannot resume {workdir}: its run.json differs in {diff}")
+    try:
+      saved = json.loads(info_file.read_text()) if info_file.exists() else None
+    except json.JSONDecodeError as e:
+      raise ValueError(f"cannot resume: {info_file} is not valid JSON ({e})") from e
+    diff = [] if saved is None else config_diff(saved, info)
+    if diff:
+      raise ValueError(f"cannot resume {workdir}: its run.json differs in {', '.join(diff)}")
   else:
     tmp = info_file.with_suffix(".tmp")
     tmp.write_text(json.dumps(info, indent=2))
     tmp.replace(info_file)
-  return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
-      max_to_keep=2, create=True, enable_async_checkpointing=False))
+  options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True,
+                                         enable_async_checkpointing=False,
+                                         cleanup_tmp_directories=True)
+  # One (default) item, fixed up front: otherwise orbax infers the layout from the first step it
+  # reads, and an empty step folder would make it misread every other step.
+  return ocp.CheckpointManager(path, item_handlers=ocp.StandardCheckpointHandler(), options=options)
+
+
+def _short_reason(e: BaseException, limit: int = 200) -> str:
+  """The type and first line of an exception's message, cut to `limit` characters."""
+  text = (str(e).strip().splitlines() or [""])[0]
+  text = text if len(text) <= limit else text[:limit] + "..."
+  return f"{type(e).__name__}: {text}"
 
 
 def restore_state(manager: ocp.CheckpointManager, abstract: TrainState) -> TrainState:
-  """Restores the latest checkpoint into `abstract`'s structure and shardings.
+  """Restores the latest readable checkpoint into `abstract`'s structure and shardings.
+
+  A step that cannot be read (an empty or partly deleted folder, corrupt files) is reported with
+  a warning and the next older step is tried. Once one restores, the unreadable newer step folders
+  are renamed to `<step>.unreadable-<n>` (kept for inspection) so that training can save them anew.
 
   Raises:
-    ValueError: the checkpoint cannot be read (corrupt, or from another model/optimiser).
+    ValueError: no checkpoint can be read (corrupt, or from another model/optimiser).
   """
-  step = manager.latest_step()
-  try:
-    return manager.restore(step, args=ocp.args.StandardRestore(abstract))
-  except Exception as e:  # Orbax raises many types; name the folder and keep the cause.
-    raise ValueError(f"cannot restore checkpoint step {step} from {manager.directory}: {e}") from e
+  steps = sorted(manager.all_steps(), reverse=True)
+  bad, error = [], None
+  for step in steps:
+    try:
+      state = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+    except Exception as e:  # Orbax raises many types; name the folder and keep the cause.
+      error = e
+      bad.append(step)
+      warnings.warn(f"cannot read checkpoint {Path(manager.directory) / str(step)} "
+                    f"({_short_reason(e)}); trying an older step", stacklevel=2)
+      continue
+    if bad:  # Move them aside: orbax refuses to save a step whose folder exists.
+      for b in bad:
+        folder, n = Path(manager.directory) / str(b), 0
+        while folder.with_name(f"{b}.unreadable-{n}").exists():
+          n += 1
+        folder.rename(folder.with_name(f"{b}.unreadable-{n}"))
+      manager.reload()
+      warnings.warn(f"resuming from step {step}; unreadable steps {bad} were renamed to "
+                    f"<step>.unreadable-<n> in {manager.directory}", stacklevel=2)
+    return state
+  cause = f" (step {steps[-1]}: {_short_reason(error)})" if steps else ""
+  raise ValueError(f"cannot restore checkpoint from {manager.directory}: none of the steps {steps} "
+                   f"can be read{cause}") from error
 
 
 def train_and_evaluate(
@@ -296,12 +384,12 @@ def train_and_evaluate(
 
   Raises:
     ValueError: batch size not divisible by the device count, or an unreadable checkpoint.
-    FileExistsError / FileNotFoundError: see `checkpoint_manager`.
+    FileExistsError / FileNotFoundError / NotADirectoryError: see `checkpoint_manager`.
   """
   cfg = train_config
   seeds = tuple(int(s) for s in (seeds if seeds is not None else (cfg.seed,)))
-  if not seeds or len(set(seeds)) != len(seeds):
-    raise ValueError(f"seeds must be distinct and non-empty, got {seeds}")
+  if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+    raise ValueError(f"seeds must be distinct, non-negative and non-empty, got {seeds}")
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   devices = jax.devices()
@@ -338,6 +426,8 @@ def train_and_evaluate(
   history = _read_history(workdir / "metrics.jsonl", up_to=start)
   metrics_file = (workdir / "metrics.jsonl").open("w")
   metrics_file.writelines(json.dumps(r) + "\n" for r in history)
+  # A run resumed after training finished keeps the speed its final records logged.
+  speed = next((h["steps_per_second"] for h in history if "steps_per_second" in h), math.nan)
   bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=workdir.name,
              dynamic_ncols=True)
   t0, step = time.perf_counter(), start
@@ -354,6 +444,10 @@ def train_and_evaluate(
                   "train_loss": float(m["nll_sum"][i, -1] / max(m["weight_sum"][i, -1], 1.0)),
                   "grad_norm": float(m["grad_norm"][i, -1])} for i, s in enumerate(seeds)]
       bar.set_postfix(loss=f"{np.mean([r['train_loss'] for r in records]):.3f}")
+    if step == cfg.steps:    # The metrics above were fetched, so the device work is finished.
+      speed = (step - start) / (time.perf_counter() - t0)
+      for record in records:
+        record["steps_per_second"] = speed
     if step % cfg.eval_every == 0 or step == cfg.steps:
       records = records or [{"step": step, "seed": s} for s in seeds]
       for record, em in zip(records, evaluate(eval_step, state.params, eval_sources,
@@ -365,11 +459,9 @@ def train_and_evaluate(
     metrics_file.flush()
     if step % cfg.checkpoint_every == 0 or step == cfg.steps:
       manager.save(step, args=ocp.args.StandardSave(state))
-  manager.wait_until_finished()
+  manager.close()
   bar.close()
   metrics_file.close()
-  elapsed = time.perf_counter() - t0
-  speed = (cfg.steps - start) / elapsed if cfg.steps > start and elapsed > 0 else math.nan
   final = evaluate(eval_step, state.params, eval_sources, cfg.batch_size, None, shard)
   params = jax.device_get(state.params)
   return [TrainResult(seed=s, params=jax.tree.map(lambda x: x[i], params), metrics=final[i],

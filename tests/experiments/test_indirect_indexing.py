@@ -1,10 +1,17 @@
 """The main job's CLI end to end on the smoke preset: outputs, resume, bad flags."""
 
 import json
+import math
+import shutil
 
 import pytest
 
-from experiments import indirect_indexing
+from experiments import common, indirect_indexing
+
+
+def _strict_json(path):
+  """Parses a file as standard JSON (NaN or Infinity fail)."""
+  return json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{path}: {c}"))
 
 
 def test_smoke_preset_writes_table_json_and_plot_and_resumes(tmp_path):
@@ -32,13 +39,77 @@ def test_resume_starts_encodings_not_begun_and_refuses_other_configs(tmp_path):
   indirect_indexing.main(common + ["--encodings", "rope"])
   summary = indirect_indexing.main(common + ["--encodings", "rope,pope", "--resume"])
   assert set(summary) == {"rope", "pope"}
-  with pytest.raises(ValueError, match="another configuration"):
+  with pytest.raises(ValueError, match=r"another configuration or seeds \(differs in "
+                                       r"train\.batch_size\)"):
     indirect_indexing.main(common + ["--encodings", "rope", "--resume", "--batch-size", "8"])
+  # The worker count does not change results: the finished run is reused.
+  again = indirect_indexing.main(common + ["--encodings", "rope", "--resume",
+                                           "--data-workers", "1"])
+  assert again["rope"] == summary["rope"]
 
 
-def test_unknown_encoding_is_named(tmp_path):
-  with pytest.raises(SystemExit, match="alibi"):
-    indirect_indexing.main(["--preset", "smoke", "--encodings", "alibi", "--out", str(tmp_path)])
+@pytest.mark.parametrize("argv, message", [
+    (["--seeds", "0,a"], "--seeds: expected comma-separated integers, got '0,a'"),
+    (["--seeds", ""], "--seeds: expected comma-separated integers, got ''"),
+    (["--seeds", "1,1"], "--seeds: expected distinct non-negative integers"),
+    (["--steps-per-call", "7"], "--steps-per-call 7 must divide the --preset smoke settings "
+                                "steps=30, eval_every=10"),
+    (["--encodings", ""], "--encodings: name at least one of rope, pope, none"),
+    (["--encodings", "rope,alibi"], "--encodings: unknown encoding 'alibi'"),
+    (["--batch-size", "0"], "TrainConfig.batch_size must be positive, got 0"),
+    (["--steps", "0"], "--steps must be positive"),
+])
+def test_bad_flags_are_usage_errors(tmp_path, capsys, argv, message):
+  with pytest.raises(SystemExit) as e:
+    indirect_indexing.main(["--preset", "smoke", "--out", str(tmp_path)] + argv)
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
+  assert not list(tmp_path.iterdir())
+
+
+def test_summarize_without_finished_runs_names_the_folder(tmp_path, capsys):
+  with pytest.raises(SystemExit) as e:
+    indirect_indexing.main(["--summarize", "--out", str(tmp_path / "nothing")])
+  assert e.value.code == 2
+  assert f"--summarize: no finished runs (*/result.json) under {tmp_path / 'nothing'}" in (
+      capsys.readouterr().err)
+
+
+def test_checkpoints_file_is_not_taken_for_a_run_not_begun(tmp_path):
+  (tmp_path / "rope").mkdir()
+  (tmp_path / "rope" / "checkpoints").write_text("")
+  with pytest.raises(NotADirectoryError, match=str(tmp_path / "rope" / "checkpoints")):
+    indirect_indexing.main(["--preset", "smoke", "--encodings", "rope", "--out", str(tmp_path),
+                            "--resume", "--no-progress"])
+
+
+def test_resume_after_training_without_result_keeps_the_speed(tmp_path):
+  """A run killed during its final evaluation: trained, checkpointed, no result.json."""
+  argv = ["--preset", "smoke", "--encodings", "rope", "--out", str(tmp_path), "--no-progress"]
+  first = indirect_indexing.main(argv)["rope"]["steps_per_second"]
+  assert math.isfinite(first) and first > 0
+  (tmp_path / "rope" / "result.json").unlink()
+  again = indirect_indexing.main(argv + ["--resume"])["rope"]["steps_per_second"]
+  assert again == first
+  assert _strict_json(tmp_path / "rope" / "result.json")["runs"][0]["steps_per_second"] == first
+
+
+def test_unmeasured_speed_is_null_in_json_and_na_in_the_table(tmp_path):
+  run = {"encoding": "pope", "seed": 0, "test_accuracy": 0.5, "validation_accuracy": 0.5,
+         "test_loss": 1.0, "steps_per_second": math.nan,
+         "history": [{"step": 2, "seed": 0, "validation_accuracy": 0.5}]}
+  common.write_json(tmp_path / "pope" / "result.json", {
+      "encoding": "pope", "seeds": [0], "runs": [run], "config": {}, "metadata": {}})
+  assert _strict_json(tmp_path / "pope" / "result.json")["runs"][0]["steps_per_second"] is None
+  shutil.copytree(tmp_path / "pope", tmp_path / "rope")  # An older file with a bare NaN.
+  (tmp_path / "rope" / "result.json").write_text(json.dumps({
+      "encoding": "rope", "seeds": [0], "runs": [dict(run, encoding="rope")], "config": {},
+      "metadata": {}}))
+  summary = indirect_indexing.main(["--summarize", "--out", str(tmp_path)])
+  assert summary["pope"]["steps_per_second"] is None and summary["rope"]["steps_per_second"] is None
+  assert "| n/a |" in (tmp_path / "results.md").read_text()
+  assert "nan" not in (tmp_path / "results.md").read_text().lower()
+  _strict_json(tmp_path / "results.json")
 
 
 def test_presets_are_consistent():

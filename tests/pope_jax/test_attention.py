@@ -187,7 +187,7 @@ def test_output_dtype_follows_query():
     (lambda q, k, v, d: attention.rope_attention(q[..., :7], k[..., :7], v,
                                                  frequencies=jnp.ones(3)), ValueError, "even"),
     (lambda q, k, v, d: attention.pope_attention(q, k, v, d, implementation="pallas"),
-     NotImplementedError, "Hopper"),
+     NotImplementedError, "pallas PoPE attention"),   # never a silent fallback (here: on CPU)
     (lambda q, k, v, d: attention.rope_attention(q, k, v, implementation="pallas"), ValueError,
      "implementation"),
     (lambda q, k, v, d: attention.rope_attention(q, k[..., :4], v), ValueError, "head dim"),

@@ -2,7 +2,9 @@
 
 import dataclasses
 import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 
 from pope_jax import ModelConfig, TrainConfig
 from pope_jax.data import indirect_indexing as task
+from pope_jax import train as train_lib
 from pope_jax.train import train_and_evaluate
 
 TASK = task.IndirectIndexingConfig(min_length=6, max_length=10, max_shift=3, split_sizes=(
@@ -33,6 +36,21 @@ def _run(workdir, train=TRAIN, model=MODEL, **kw):
 
 def _leaves(params):
   return jax.tree.leaves(params)
+
+
+SHORT = dataclasses.replace(TRAIN, steps=8, eval_every=4, checkpoint_every=4, log_every=4)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+  """A finished SHORT run (checkpoints 4 and 8) and its result; tests work on copies."""
+  workdir = tmp_path_factory.mktemp("finished") / "run"
+  (result,) = _run(workdir, train=SHORT)
+  return workdir, result
+
+
+def _copy(finished, tmp_path):
+  return Path(shutil.copytree(finished[0], tmp_path / "run"))
 
 
 def test_training_lowers_the_loss_and_logs(tmp_path):
@@ -90,16 +108,125 @@ def test_fresh_run_refuses_to_overwrite_checkpoints(tmp_path):
     _run(tmp_path)
 
 
-def test_resume_with_other_config_or_corrupt_checkpoint_is_refused(tmp_path):
-  short = dataclasses.replace(TRAIN, steps=8, eval_every=4, checkpoint_every=4, log_every=4)
-  _run(tmp_path, train=short)
-  with pytest.raises(ValueError, match="model"):
-    _run(tmp_path, train=short, model=dataclasses.replace(MODEL, d_model=64), resume=True)
-  for f in (tmp_path / "checkpoints" / "8").rglob("*"):
+def test_resume_with_other_config_names_the_field(finished, tmp_path):
+  workdir = _copy(finished, tmp_path)
+  with pytest.raises(ValueError, match=r"differs in model\.d_model$"):
+    _run(workdir, train=SHORT, model=dataclasses.replace(MODEL, d_model=64), resume=True)
+  with pytest.raises(ValueError, match=r"differs in train\.batch_size, train\.learning_rate$"):
+    _run(workdir, train=dataclasses.replace(SHORT, batch_size=8, learning_rate=1e-3), resume=True)
+  # The number of data workers does not change results: a resume may change it.
+  info = json.loads((workdir / "run.json").read_text())
+  info["train"]["data_workers"] = 3
+  train_lib.checkpoint_manager(workdir, info, resume=True).close()
+
+
+def _garbage(folder):
+  for f in folder.rglob("*"):
     if f.is_file():
       f.write_bytes(b"garbage")
-  with pytest.raises(ValueError, match="cannot restore checkpoint"):
-    _run(tmp_path, train=short, resume=True)
+
+
+@pytest.mark.parametrize("damage", ["empty", "item_deleted", "data_corrupt"])
+def test_unreadable_latest_checkpoint_falls_back_to_the_older_step(finished, tmp_path, damage):
+  workdir = _copy(finished, tmp_path)
+  ckpt = workdir / "checkpoints"
+  # A newer step 12 that cannot be read, next to the finished run's step 8.
+  if damage == "empty":
+    (ckpt / "12").mkdir()
+  else:
+    shutil.copytree(ckpt / "8", ckpt / "12")
+    if damage == "item_deleted":
+      shutil.rmtree(ckpt / "12" / "default")
+    else:
+      _garbage(ckpt / "12" / "default" / "ocdbt.process_0" / "d")
+  with pytest.warns(UserWarning) as record:
+    (r,) = _run(workdir, train=SHORT, resume=True)
+  message, renamed = [str(w.message) for w in record]
+  assert message.startswith(f"cannot read checkpoint {ckpt / '12'} (")
+  assert "\n" not in message and len(message) < 400, message
+  assert renamed.startswith("resuming from step 8; unreadable steps [12] were renamed")
+  assert sorted(p.name for p in ckpt.iterdir()) == ["12.unreadable-0", "4", "8"]
+  for a, b in zip(_leaves(finished[1].params), _leaves(r.params)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_fallback_resume_retrains_and_saves_the_unreadable_step_anew(finished, tmp_path):
+  workdir = _copy(finished, tmp_path)
+  ckpt = workdir / "checkpoints"
+  shutil.rmtree(ckpt / "8" / "default")
+  with pytest.warns(UserWarning) as record:
+    (r,) = _run(workdir, train=SHORT, resume=True)
+  assert "resuming from step 4" in str(record[-1].message)
+  assert sorted(p.name for p in ckpt.iterdir()) == ["4", "8", "8.unreadable-0"]
+  assert [h["step"] for h in r.history] == [h["step"] for h in finished[1].history]
+  for a, b in zip(_leaves(finished[1].params), _leaves(r.params)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_no_readable_checkpoint_names_the_folder_and_steps(finished, tmp_path):
+  workdir = _copy(finished, tmp_path)
+  _garbage(workdir / "checkpoints")
+  with pytest.warns(UserWarning), pytest.raises(ValueError) as e:
+    _run(workdir, train=SHORT, resume=True)
+  assert "cannot restore checkpoint from " + str(workdir / "checkpoints") in str(e.value)
+  assert "none of the steps [8, 4] can be read" in str(e.value) and len(str(e.value)) < 500
+
+
+def test_leftover_orbax_tmp_folder_is_removed_on_resume_and_never_loaded(finished, tmp_path,
+                                                                       monkeypatch):
+  workdir = _copy(finished, tmp_path)
+  ckpt = workdir / "checkpoints"
+  (ckpt / "8").rename(ckpt / "8.orbax-checkpoint-tmp-1234")  # The save of step 8 was cut short.
+  restored = []
+  orig = train_lib.ocp.CheckpointManager.restore
+  def restore(self, step, *a, **k):
+    restored.append(step)
+    return orig(self, step, *a, **k)
+  monkeypatch.setattr(train_lib.ocp.CheckpointManager, "restore", restore)
+  (r,) = _run(workdir, train=SHORT, resume=True)
+  assert restored == [4]
+  assert sorted(p.name for p in ckpt.iterdir()) == ["4", "8"]
+  for a, b in zip(_leaves(finished[1].params), _leaves(r.params)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_metrics_log_with_a_cut_short_last_line_or_corruption(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  good = [json.dumps({"step": s, "seed": 0}) for s in (4, 8, 12)]
+  path.write_text("\n".join(good) + '\n{"step": 16, "se')
+  with pytest.warns(UserWarning, match="last line"):
+    assert [r["step"] for r in train_lib._read_history(path, up_to=8)] == [4, 8]
+  path.write_text("\n".join([good[0], "{oops", good[1]]) + "\n")
+  with pytest.raises(ValueError, match=f"{path}: line 2 is not valid JSON"):
+    train_lib._read_history(path, up_to=8)
+
+
+def test_corrupt_run_json_is_named(finished, tmp_path):
+  workdir = _copy(finished, tmp_path)
+  (workdir / "run.json").write_text('{"model": ')
+  with pytest.raises(ValueError, match=f"{workdir / 'run.json'} is not valid JSON"):
+    _run(workdir, train=SHORT, resume=True)
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_checkpoints_path_that_is_a_file_is_refused_at_start(tmp_path, resume):
+  (tmp_path / "checkpoints").write_text("not a folder")
+  with pytest.raises(NotADirectoryError, match=str(tmp_path / "checkpoints")):
+    _run(tmp_path, train=SHORT, resume=resume)
+
+
+def test_resume_after_training_finished_keeps_the_measured_speed(finished, tmp_path):
+  assert math.isfinite(finished[1].steps_per_second) and finished[1].steps_per_second > 0
+  workdir = _copy(finished, tmp_path)
+  (r,) = _run(workdir, train=SHORT, resume=True)
+  assert r.steps_per_second == finished[1].steps_per_second
+  assert r.metrics == finished[1].metrics
+  # A log without the speed (an older run): unknown, NaN (written as null by experiments).
+  lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  (workdir / "metrics.jsonl").write_text("".join(
+      json.dumps({k: v for k, v in l.items() if k != "steps_per_second"}) + "\n" for l in lines))
+  (r,) = _run(workdir, train=SHORT, resume=True)
+  assert math.isnan(r.steps_per_second)
 
 
 def test_batch_not_divisible_by_devices_is_named():
