@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import flax.serialization
+import jax
+from jax.experimental import multihost_utils
 
 from experiments import common
 from pope_jax.config import MODEL_PRESETS, ModelConfig, TrainConfig
@@ -93,8 +95,13 @@ def prepare_data(preset: Preset, out: Path, data_dir: Path | None = None,
   """(data folder, meta, split files): OUT/data built from Shakespeare unless data_dir is given."""
   if data_dir is None:
     data_dir = out / "data"
-    meta = text.prepare_shakespeare(data_dir, tokenizer=preset.tokenizer,
-                                    vocab_size=preset.vocab_size, works=preset.works)
+    prepare = lambda: text.prepare_shakespeare(data_dir, tokenizer=preset.tokenizer,
+                                               vocab_size=preset.vocab_size, works=preset.works)
+    if jax.process_count() > 1:  # Multi-host: process 0 writes the files, the others reuse them.
+      if jax.process_index() == 0:
+        prepare()
+      multihost_utils.sync_global_devices("experiments.language_model.prepare_data")
+    meta = prepare()
     return data_dir, meta, meta["files"]
   meta_file = data_dir / "meta.json"
   meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
@@ -143,7 +150,8 @@ def train_model(preset: Preset, encoding: str, out: Path, *, resume: bool, progr
       resume=resume and (workdir / "checkpoints").exists(), progress=progress, **extra)
   if isinstance(result, list):                 # One result per seed trained together.
     result = result[0]
-  params_file.write_bytes(flax.serialization.msgpack_serialize(result.params))
+  if jax.process_index() == 0:  # Multi-host: every process holds the same results; one writes.
+    params_file.write_bytes(flax.serialization.msgpack_serialize(result.params))
   record = {
       "name": name or encoding, "encoding": encoding,
       "valid_loss": result.metrics["valid"]["loss"],
@@ -158,22 +166,25 @@ def train_model(preset: Preset, encoding: str, out: Path, *, resume: bool, progr
       "config": config,
       "metadata": common.run_metadata(train_cfg.seed),
   }
-  common.write_json(result_file, record)
+  if jax.process_index() == 0:
+    common.write_json(result_file, record)
   return json.loads(json.dumps(common.to_jsonable(record))), result.params, model_cfg
 
 
 def summarize(out: Path, runs: list[dict], preset_name: str) -> dict:
+  """Prints the results table; process 0 also writes results.md, results.json and loss.png."""
   rows = [[r["encoding"], f"{r['valid_loss']:.4f}", f"{r['valid_perplexity']:.2f}",
            f"{r['tokens_per_second']:.0f}"] for r in runs]
   table = common.markdown_table(
       ["encoding", "valid loss (nats/token)", "valid perplexity", "train tokens/s"], rows)
-  (out / "results.md").write_text(
-      f"# Language modelling ({preset_name} preset)\n\n" + table +
-      "\nPaper (OpenWebText, GPT-2-124M, 100k steps): RoPE 21.55, PoPE 21.33 validation "
-      "perplexity.\n")
-  common.write_json(out / "results.json", {"preset": preset_name, "runs": runs})
-  common.plot_history(runs, out / "loss.png", metric="valid_loss",
-                      ylabel="validation loss (nats/token)", title="Language modelling")
+  if jax.process_index() == 0:
+    (out / "results.md").write_text(
+        f"# Language modelling ({preset_name} preset)\n\n" + table +
+        "\nPaper (OpenWebText, GPT-2-124M, 100k steps): RoPE 21.55, PoPE 21.33 validation "
+        "perplexity.\n")
+    common.write_json(out / "results.json", {"preset": preset_name, "runs": runs})
+    common.plot_history(runs, out / "loss.png", metric="valid_loss",
+                        ylabel="validation loss (nats/token)", title="Language modelling")
   print(table)
   return {r["encoding"]: r["valid_perplexity"] for r in runs}
 
@@ -211,7 +222,6 @@ def add_common_flags(parser: argparse.ArgumentParser, default_out: str) -> None:
 
 def resolve_preset(args) -> Preset:
   if args.distributed:
-    import jax
     jax.distributed.initialize(coordinator_address=args.coordinator,
                                num_processes=args.num_processes, process_id=args.process_id)
   preset = PRESETS[args.preset]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 import warnings
 from pathlib import Path
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
@@ -298,7 +300,7 @@ def checkpoint_manager(workdir: Path, run_info: dict, *, resume: bool) -> ocp.Ch
     diff = [] if saved is None else config_diff(saved, info)
     if diff:
       raise ValueError(f"cannot resume {workdir}: its run.json differs in {', '.join(diff)}")
-  else:
+  elif jax.process_index() == 0:  # Multi-host: one writer of the shared folder's files.
     tmp = info_file.with_suffix(".tmp")
     tmp.write_text(json.dumps(info, indent=2))
     tmp.replace(info_file)
@@ -339,11 +341,13 @@ def restore_state(manager: ocp.CheckpointManager, abstract: TrainState) -> Train
                     f"({_short_reason(e)}); trying an older step", stacklevel=2)
       continue
     if bad:  # Move them aside: orbax refuses to save a step whose folder exists.
-      for b in bad:
+      for b in bad if jax.process_index() == 0 else ():
         folder, n = Path(manager.directory) / str(b), 0
         while folder.with_name(f"{b}.unreadable-{n}").exists():
           n += 1
         folder.rename(folder.with_name(f"{b}.unreadable-{n}"))
+      if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("pope_jax.train.restore_state")
       manager.reload()
       warnings.warn(f"resuming from step {step}; unreadable steps {bad} were renamed to "
                     f"<step>.unreadable-<n> in {manager.directory}", stacklevel=2)
@@ -424,7 +428,9 @@ def train_and_evaluate(
   streams = [_train_batches(train_source, cfg, s, start // cfg.steps_per_call) for s in seeds]
   seeds_array = jnp.asarray(seeds, jnp.uint32)
   history = _read_history(workdir / "metrics.jsonl", up_to=start)
-  metrics_file = (workdir / "metrics.jsonl").open("w")
+  # Multi-host: process 0 writes the log; the others compute the same records.
+  metrics_file = (workdir / "metrics.jsonl" if jax.process_index() == 0 else Path(os.devnull)
+                  ).open("w")
   metrics_file.writelines(json.dumps(r) + "\n" for r in history)
   # A run resumed after training finished keeps the speed its final records logged.
   speed = next((h["steps_per_second"] for h in history if "steps_per_second" in h), math.nan)

@@ -47,3 +47,29 @@ def test_frequency_usage_smoke(lm_out):
   assert len(record["usage"]["rope"]["query"][0]) == 8      # head dim 16 → 8 RoPE pairs
   assert len(record["usage"]["pope"]["key"][0]) == 16       # 16 PoPE frequencies
   assert (lm_out / "frequency_usage.png").stat().st_size > 1000
+
+
+def test_two_processes_match_one(lm_out, tmp_path):
+  """Multi-host training (`--distributed`, two CPU processes with one device each, gloo) gives
+  the single-process results, and process 0 alone writes the shared files."""
+  import os
+  import subprocess
+  import sys
+
+  import portpicker
+  port = portpicker.pick_unused_port()
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  cmd = [sys.executable, "-m", "experiments.language_model", "--preset", "smoke", "--encodings",
+         "rope", "--out", str(tmp_path), "--no-progress", "--distributed", "--coordinator",
+         f"localhost:{port}", "--num-processes", "2", "--process-id"]
+  procs = [subprocess.Popen(cmd + [str(i)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  logs = [p.communicate(timeout=600)[0] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], logs
+  multi = json.loads((tmp_path / "results.json").read_text())["runs"][0]
+  single = next(r for r in json.loads((lm_out / "results.json").read_text())["runs"]
+                if r["encoding"] == "rope")
+  assert multi["valid_loss"] == pytest.approx(single["valid_loss"], rel=1e-5)
+  steps = [json.loads(line)["step"] for line in
+           (tmp_path / "rope" / "metrics.jsonl").read_text().splitlines()]
+  assert steps == sorted(set(steps))                 # one writer: no duplicated records
