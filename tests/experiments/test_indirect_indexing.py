@@ -7,6 +7,7 @@ import shutil
 import pytest
 
 from experiments import common, indirect_indexing
+from pope_jax.data import indirect_indexing as task
 
 
 def _strict_json(path):
@@ -24,6 +25,16 @@ def test_smoke_preset_writes_table_json_and_plot_and_resumes(tmp_path):
   assert results["configs"]["pope"]["config"]["model"]["pos_encoding"] == "pope"
   assert "test accuracy" in (tmp_path / "results.md").read_text()
   assert (tmp_path / "accuracy.png").stat().st_size > 1000
+  # The per-shift breakdown covers the whole test split: weighted by the shifts' counts it gives
+  # the overall test accuracy.
+  preset = indirect_indexing.PRESETS["smoke"].task
+  shifts = [task.generate_example(preset, 0, "test", i)[2] for i in range(preset.size("test"))]
+  for run in results["runs"]:
+    by_shift = run["test_accuracy_by_shift"]
+    assert set(by_shift) == {str(k) for k in shifts}
+    weighted = sum(by_shift[str(k)] for k in shifts) / len(shifts)
+    assert weighted == pytest.approx(run["test_accuracy"])
+  assert "shift 0 %" in (tmp_path / "results.md").read_text()
   # A finished run is reused on --resume (no training: the same numbers come back).
   again = indirect_indexing.main(["--preset", "smoke", "--seeds", "0,1", "--out", str(tmp_path),
                                   "--resume", "--no-progress"])
