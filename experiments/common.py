@@ -42,6 +42,11 @@ def to_jsonable(obj: Any) -> Any:
   return obj
 
 
+def fmt(value: float | None, spec: str) -> str:
+  """`format(value, spec)`, or "n/a" for a value that was not measured (None or NaN)."""
+  return "n/a" if value is None or not math.isfinite(value) else format(value, spec)
+
+
 def write_json(path: str | Path, obj: Any) -> None:
   """Writes standard JSON (NaN as null) atomically: temp file + rename, never half a file."""
   path = Path(path)

@@ -164,7 +164,7 @@ def summarize(out: Path) -> dict:
     accs = [100 * r["test_accuracy"] for r in rs]
     sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
     speed = rs[0]["steps_per_second"]  # None (NaN in older files) when it was not measured.
-    speed = None if speed is None or math.isnan(speed) else speed
+    speed = None if speed is None or not math.isfinite(speed) else speed
     summary[enc] = {"test_accuracy_mean": statistics.mean(accs), "test_accuracy_sd": sd,
                     "seeds": [r["seed"] for r in rs], "per_seed": accs, "steps_per_second": speed}
     spread = f" ± {sd:.2f}" if len(accs) > 1 else " (1 seed)"
@@ -176,7 +176,7 @@ def summarize(out: Path) -> dict:
                     f"{100 * statistics.mean(o for _, o in splits):.1f}"))
     rows.append([enc, f"{statistics.mean(accs):.2f}{spread}", len(accs),
                  ", ".join(f"{a:.2f}" for a in accs), zero, other,
-                 "n/a" if speed is None else f"{speed:.1f}"])
+                 common.fmt(speed, ".1f")])
   table = common.markdown_table(
       ["encoding", "test accuracy % (mean ± sd)", "seeds", "per seed", "shift 0 %",
        "other shifts % (mean over shifts)", "steps/s (all seeds together)"], rows)

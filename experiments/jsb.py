@@ -24,7 +24,7 @@ from pathlib import Path
 from experiments import common
 from pope_jax.config import MODEL_PRESETS, ModelConfig, TrainConfig
 from pope_jax.data import jsb
-from pope_jax.train import train_and_evaluate
+from pope_jax.train import has_checkpoints, train_and_evaluate
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,7 +81,7 @@ def run_one(preset: Preset, encoding: str, out: Path, *, resume: bool, progress:
   result = train_and_evaluate(
       model_cfg, preset.train, train_source=sources["train"],
       eval_sources={"valid": sources["valid"], "test": sources["test"]}, workdir=workdir,
-      resume=resume and (workdir / "checkpoints").exists(), progress=progress)
+      resume=resume and has_checkpoints(workdir), progress=progress)
   if isinstance(result, list):                 # One result per seed trained together.
     result = result[0]
   record = {
@@ -100,7 +100,8 @@ def run_one(preset: Preset, encoding: str, out: Path, *, resume: bool, progress:
 
 def summarize(out: Path, runs: list[dict], preset_name: str) -> dict:
   rows = [[r["encoding"], f"{r['test_nll']:.4f}", f"{r['valid_nll']:.4f}",
-           f"{100 * r['test_accuracy']:.1f}", f"{r['steps_per_second']:.2f}"] for r in runs]
+           f"{100 * r['test_accuracy']:.1f}", common.fmt(r["steps_per_second"], ".2f")]
+          for r in runs]
   table = common.markdown_table(
       ["encoding", "test NLL/token", "valid NLL/token", "test accuracy %", "steps/s"], rows)
   (out / "results.md").write_text(

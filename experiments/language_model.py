@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils
 from experiments import common
 from pope_jax.config import MODEL_PRESETS, ModelConfig, TrainConfig
 from pope_jax.data import text
-from pope_jax.train import train_and_evaluate
+from pope_jax.train import has_checkpoints, train_and_evaluate
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -147,7 +147,7 @@ def train_model(preset: Preset, encoding: str, out: Path, *, resume: bool, progr
   result = train_and_evaluate(
       model_cfg, train_cfg, train_source=sources["train"],
       eval_sources={k: v for k, v in sources.items() if k != "train"}, workdir=workdir,
-      resume=resume and (workdir / "checkpoints").exists(), progress=progress, **extra)
+      resume=resume and has_checkpoints(workdir), progress=progress, **extra)
   if isinstance(result, list):                 # One result per seed trained together.
     result = result[0]
   if jax.process_index() == 0:  # Multi-host: every process holds the same results; one writes.
@@ -174,7 +174,7 @@ def train_model(preset: Preset, encoding: str, out: Path, *, resume: bool, progr
 def summarize(out: Path, runs: list[dict], preset_name: str) -> dict:
   """Prints the results table; process 0 also writes results.md, results.json and loss.png."""
   rows = [[r["encoding"], f"{r['valid_loss']:.4f}", f"{r['valid_perplexity']:.2f}",
-           f"{r['tokens_per_second']:.0f}"] for r in runs]
+           common.fmt(r["tokens_per_second"], ".0f")] for r in runs]
   table = common.markdown_table(
       ["encoding", "valid loss (nats/token)", "valid perplexity", "train tokens/s"], rows)
   if jax.process_index() == 0:

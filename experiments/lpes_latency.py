@@ -44,7 +44,7 @@ def main(argv=None) -> None:
   p.add_argument("--prompt-len", type=int, default=2048)
   p.add_argument("--new-tokens", type=int, default=32)
   p.add_argument("--repeats", type=int, default=5)
-  p.add_argument("--attention", default="jax_nn", choices=("xla", "jax_nn", "cudnn"))
+  p.add_argument("--attention", default="jax_nn", choices=("xla", "jax_nn"))
   p.add_argument("--out", default="runs/lpes_latency")
   args = p.parse_args(argv)
   if args.model:

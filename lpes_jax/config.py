@@ -88,6 +88,9 @@ class LlamaConfig:
     if self.attention_implementation not in ATTENTION_IMPLEMENTATIONS:
       raise ValueError(f"LlamaConfig.attention_implementation must be one of "
                        f"{ATTENTION_IMPLEMENTATIONS}, got {self.attention_implementation!r}")
+    if self.attention_implementation == "cudnn" and self.dtype not in ("bfloat16", "float16"):
+      raise ValueError(f"LlamaConfig.attention_implementation='cudnn' needs dtype bfloat16 or "
+                       f"float16 (cuDNN flash attention), got dtype={self.dtype!r}")
     if self.sliding_window is not None and self.sliding_window <= 0:
       raise ValueError(f"LlamaConfig.sliding_window must be positive or None, got "
                        f"{self.sliding_window}")

@@ -245,17 +245,19 @@ def rope_attention(
     base, multiplier, layout, frequencies: see `encodings.apply_rope`.
     is_causal, q_positions, k_positions, scale, key_mask: as in `pope_attention` (scale default
       1/sqrt(H)).
-    implementation: None (best available: "cudnn" on NVIDIA GPUs for bf16/fp16 inputs with
-      default positions, T == S, no key_mask, V == H <= 128; else "xla"), "xla" (reference,
-      float32, materialised scores) or "cudnn" (rotate, then cuDNN flash attention through
-      `jax.nn.dot_product_attention`; NotImplementedError for inputs it cannot run exactly).
+    implementation: None (best available: "cudnn" on NVIDIA GPUs (sm80+) for one bf16/fp16
+      dtype with default positions, T == S, no key_mask, V == H <= 128; else "xla"), "xla"
+      (reference, float32, materialised scores) or "cudnn" (rotate, then cuDNN flash attention
+      through `jax.nn.dot_product_attention`; NotImplementedError for inputs it cannot run
+      exactly; jax raises RuntimeError where no cuDNN is present).
 
   Returns:
     [B, T, N, V] in the query's dtype.
 
   Raises:
     ValueError: mismatched shapes, odd head dim or unknown implementation.
-    NotImplementedError: implementation="cudnn" with positions, a key_mask or T != S.
+    NotImplementedError: implementation="cudnn" with positions, a key_mask, T != S, or dtypes and
+      head dims cuDNN does not take.
   """
   _check_qkv(query, key, value)
   # cuDNN's fused kernel applies its own (top-left) causal mask: exact for default positions with
@@ -263,14 +265,17 @@ def rope_attention(
   plain = (q_positions is None and k_positions is None and key_mask is None
            and query.shape[1] == key.shape[1])
   if implementation is None:
-    implementation = "cudnn" if plain and _cudnn_supports(query, value) else "xla"
+    implementation = ("cudnn" if plain and _on_cudnn_gpu() and _cudnn_supports(query, key, value)
+                      else "xla")
   if implementation not in ("xla", "cudnn"):
     raise ValueError(f"rope_attention implementation must be None, 'xla' or 'cudnn', got "
                      f"{implementation!r}")
-  if implementation == "cudnn" and not plain:
+  if implementation == "cudnn" and not (plain and _cudnn_supports(query, key, value)):
     raise NotImplementedError(
-        "rope_attention implementation='cudnn' needs default positions, T == S and no key_mask; "
-        "use implementation='xla'")
+        "rope_attention implementation='cudnn' needs default positions, T == S, no key_mask and "
+        "one bf16/fp16 dtype for query, key and value with V == H <= 128 (H % 8 == 0); got "
+        f"query {query.dtype} {query.shape}, key {key.dtype} {key.shape}, value {value.dtype} "
+        f"{value.shape}; use implementation='xla'")
   q_pos, k_pos = _positions(query, key, q_positions, k_positions, key_mask)
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
   rope = dict(base=base, layout=layout, frequencies=frequencies)
@@ -289,9 +294,17 @@ def rope_attention(
 CUDNN_BACKEND = "cudnn"
 
 
-def _cudnn_supports(q: Array, v: Array) -> bool:
-  """Whether cuDNN flash attention takes these operands on this platform (NVIDIA GPU)."""
+def _cudnn_supports(q: Array, k: Array, v: Array) -> bool:
+  """Whether cuDNN flash attention takes these operands (one bf16/fp16 dtype, V == H <= 128)."""
+  return (q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and v.dtype == q.dtype
+          and q.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128)
+
+
+def _on_cudnn_gpu() -> bool:
+  """Whether the default device is an NVIDIA GPU of compute capability >= 8.0 (cuDNN flash)."""
   device = jax.devices()[0]
-  return (device.platform == "gpu" and "NVIDIA" in getattr(device, "device_kind", "NVIDIA")
-          and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] == v.shape[-1]
-          and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128)
+  try:
+    major = int(str(getattr(device, "compute_capability", "0")).split(".")[0])
+  except ValueError:
+    major = 0
+  return device.platform == "gpu" and major >= 8

@@ -56,7 +56,9 @@ class ModelConfig:
     dropout_rate: dropout after attention and MLP (and on embeddings).
     tie_embeddings: share the token embedding with the output head.
     dtype: compute dtype ("float32" or "bfloat16"); params stay float32.
-    attention_implementation: passed to `pope_attention` (None = best available).
+    attention_implementation: None (best available: the Pallas kernel for PoPE on Hopper, cuDNN
+      for RoPE on NVIDIA GPUs, else the XLA reference), "xla" (the reference for every encoding)
+      or "pallas" (the fused PoPE kernel; RoPE then takes its best available path).
     rope_layout: "half" (Hugging Face) or "interleaved".
     rope_yarn: None, or YaRN frequency interpolation and attention temperature (RoPE only).
   """

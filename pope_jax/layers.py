@@ -28,7 +28,8 @@ class PositionalAttention(nn.Module):
     rope_layout: "half" or "interleaved".
     rope_yarn: None or a `config.YarnConfig`: RoPE uses YaRN frequencies and the logits are
       scaled by attention_factor² (q and k each by the factor, once).
-    attention_implementation: passed to `pope_attention` (None = best available).
+    attention_implementation: None (best available), "xla" (reference attention for every
+      encoding) or "pallas" (PoPE's fused kernel; RoPE takes its best available path).
     dtype: compute dtype.
   """
   num_heads: int
@@ -78,8 +79,9 @@ class PositionalAttention(nn.Module):
             beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow)
         rope["scale"] = encodings.yarn_attention_factor(
             yarn.factor, yarn.attention_factor) ** 2 / math.sqrt(h)
-      out = attention.rope_attention(q, k, v, base=self.rope_base, layout=self.rope_layout,
-                                     **rope, **common)
+      out = attention.rope_attention(
+          q, k, v, base=self.rope_base, layout=self.rope_layout, **rope, **common,
+          implementation="xla" if self.attention_implementation == "xla" else None)
     elif self.pos_encoding == "none":
       mask = attention.attention_mask(jnp.asarray(positions), jnp.asarray(positions),
                                       is_causal=True)

@@ -325,36 +325,58 @@ def restore_state(manager: ocp.CheckpointManager, abstract: TrainState) -> Train
   A step that cannot be read (an empty or partly deleted folder, corrupt files) is reported with
   a warning and the next older step is tried. Once one restores, the unreadable newer step folders
   are renamed to `<step>.unreadable-<n>` (kept for inspection) so that training can save them anew.
+  With several processes, all resume from the newest step that every process could read.
 
   Raises:
     ValueError: no checkpoint can be read (corrupt, or from another model/optimiser).
   """
   steps = sorted(manager.all_steps(), reverse=True)
-  bad, error = [], None
+  args = ocp.args.StandardRestore(abstract)
+  state, restored, error = None, -1, None
   for step in steps:
     try:
-      state = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+      state, restored = manager.restore(step, args=args), step
+      break
     except Exception as e:  # Orbax raises many types; name the folder and keep the cause.
       error = e
-      bad.append(step)
       warnings.warn(f"cannot read checkpoint {Path(manager.directory) / str(step)} "
                     f"({_short_reason(e)}); trying an older step", stacklevel=2)
-      continue
-    if bad:  # Move them aside: orbax refuses to save a step whose folder exists.
-      for b in bad if jax.process_index() == 0 else ():
-        folder, n = Path(manager.directory) / str(b), 0
-        while folder.with_name(f"{b}.unreadable-{n}").exists():
-          n += 1
-        folder.rename(folder.with_name(f"{b}.unreadable-{n}"))
-      if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("pope_jax.train.restore_state")
-      manager.reload()
-      warnings.warn(f"resuming from step {step}; unreadable steps {bad} were renamed to "
-                    f"<step>.unreadable-<n> in {manager.directory}", stacklevel=2)
-    return state
-  cause = f" (step {steps[-1]}: {_short_reason(error)})" if steps else ""
-  raise ValueError(f"cannot restore checkpoint from {manager.directory}: none of the steps {steps} "
-                   f"can be read{cause}") from error
+  if jax.process_count() > 1:
+    agreed = int(np.min(multihost_utils.process_allgather(np.int64(restored))))
+    if agreed != restored and agreed >= 0:
+      state, restored = manager.restore(agreed, args=args), agreed
+    restored = agreed
+  if restored < 0:
+    cause = f" (step {steps[-1]}: {_short_reason(error)})" if steps and error else ""
+    raise ValueError(f"cannot restore checkpoint from {manager.directory}: none of the steps "
+                     f"{steps} can be read{cause}") from error
+  bad = [s for s in steps if s > restored]
+  if bad:  # Move them aside: orbax refuses to save a step whose folder exists.
+    for b in bad if jax.process_index() == 0 else ():
+      folder, n = Path(manager.directory) / str(b), 0
+      while folder.with_name(f"{b}.unreadable-{n}").exists():
+        n += 1
+      folder.rename(folder.with_name(f"{b}.unreadable-{n}"))
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("pope_jax.train.restore_state")
+    manager.reload()
+    warnings.warn(f"resuming from step {restored}; unreadable steps {bad} were renamed to "
+                  f"<step>.unreadable-<n> in {manager.directory}", stacklevel=2)
+  return state
+
+
+def _open_metrics_log(path: Path, history: list[dict]):
+  """The metrics log, rewritten to `history` atomically (temp file + rename), open for appending.
+
+  A kill at any moment leaves either the old log or the rewritten one. Processes other than 0
+  compute the same records and write them nowhere.
+  """
+  if jax.process_index() != 0:
+    return open(os.devnull, "w")
+  tmp = path.with_name(path.name + ".tmp")
+  tmp.write_text("".join(json.dumps(r) + "\n" for r in history))
+  os.replace(tmp, path)
+  return path.open("a")
 
 
 def train_and_evaluate(
@@ -428,10 +450,9 @@ def train_and_evaluate(
   streams = [_train_batches(train_source, cfg, s, start // cfg.steps_per_call) for s in seeds]
   seeds_array = jnp.asarray(seeds, jnp.uint32)
   history = _read_history(workdir / "metrics.jsonl", up_to=start)
-  # Multi-host: process 0 writes the log; the others compute the same records.
-  metrics_file = (workdir / "metrics.jsonl" if jax.process_index() == 0 else Path(os.devnull)
-                  ).open("w")
-  metrics_file.writelines(json.dumps(r) + "\n" for r in history)
+  if jax.process_count() > 1:  # Every process has read the log before process 0 rewrites it.
+    multihost_utils.sync_global_devices("pope_jax.train.read_history")
+  metrics_file = _open_metrics_log(workdir / "metrics.jsonl", history)
   # A run resumed after training finished keeps the speed its final records logged.
   speed = next((h["steps_per_second"] for h in history if "steps_per_second" in h), math.nan)
   bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=workdir.name,

@@ -100,3 +100,20 @@ def test_presets():
 def test_config_errors_name_the_field(kwargs, match):
   with pytest.raises(ValueError, match=match):
     dataclasses.replace(CFG, **kwargs)
+
+
+def test_xla_attention_implementation_pins_rope_to_the_reference(monkeypatch):
+  """ModelConfig(attention_implementation="xla") keeps RoPE off cuDNN even where it would run."""
+  from pope_jax import attention
+  monkeypatch.setattr(attention, "_on_cudnn_gpu", lambda: True)
+  monkeypatch.setattr(attention, "CUDNN_BACKEND", "no such backend")   # raises if chosen
+  tokens = jnp.zeros((1, 8), jnp.int32)
+  for impl, fails in (("xla", False), (None, True)):
+    model = Transformer(ModelConfig(vocab_size=11, num_layers=1, d_model=16, num_heads=2,
+                                    pos_encoding="rope", dtype="bfloat16",
+                                    attention_implementation=impl))
+    if fails:
+      with pytest.raises(ValueError, match="no such backend"):
+        model.init(jax.random.key(0), tokens)
+    else:
+      model.init(jax.random.key(0), tokens)

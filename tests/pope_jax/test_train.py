@@ -292,3 +292,13 @@ np.save({str(tmp_path / 'fsdp.npy')!r}, np.concatenate([np.ravel(x) for x in jax
   (one,) = _run(tmp_path / "one", model=dataclasses.replace(MODEL, d_model=64, mlp_dim=256))
   flat = np.concatenate([np.ravel(x) for x in _leaves(one.params)])
   np.testing.assert_allclose(np.load(tmp_path / "fsdp.npy"), flat, rtol=2e-4, atol=2e-5)
+
+
+def test_metrics_log_is_rewritten_atomically_then_appended(tmp_path):
+  log = tmp_path / "metrics.jsonl"
+  log.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
+  with train_lib._open_metrics_log(log, [{"step": 1}, {"step": 2}]) as f:
+    assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == [1, 2]
+    f.write(json.dumps({"step": 3}) + "\n")
+  assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == [1, 2, 3]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
