@@ -2,8 +2,8 @@
 
     python -m experiments.length_extrapolation                  # CPU default (trained at 128)
     python -m experiments.length_extrapolation --preset smoke   # seconds, for tests
-    python -m experiments.length_extrapolation --preset h200    # GPT-2-124M on Shakespeare, 1024 → 10 240
-    python -m experiments.length_extrapolation --preset paper   # GPT-2-124M at 1024 → 10 240 (GPU, OWT)
+    python -m experiments.length_extrapolation --preset h200    # GPT-2-124M, Shakespeare (GPU)
+    python -m experiments.length_extrapolation --preset paper   # GPT-2-124M, OpenWebText (GPU)
 
 Models are trained at context L with `experiments.language_model` (runs are shared: the same --out
 reuses finished RoPE/PoPE models) and evaluated on the held-out split at L, 2L, ... 10L

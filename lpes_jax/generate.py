@@ -150,7 +150,8 @@ def greedy_generate(
     B lists of new token ids.
 
   Raises:
-    ValueError: no prompts, an empty prompt, or a prompt (plus max_new_tokens) longer than max_cache_len.
+    ValueError: no prompts, an empty prompt, or a prompt (plus max_new_tokens) longer than
+      max_cache_len.
   """
   if not prompts:
     raise ValueError("prompts is empty: give at least one prompt")

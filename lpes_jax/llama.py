@@ -128,7 +128,8 @@ class Attention(nn.Module):
     """x [B, T, D]; positions [B, T]; multiplier None or [N]; keys: dict of the key side.
 
     `keys` holds "k", "v" ([B, S, K, H] cache or None), "positions" [B, S], "valid" [B, S],
-    "index" (slot of the first new token) and "plain" (no cache, padding or explicit positions). Returns (out [B, T, D], (k_all, v_all)).
+    "index" (slot of the first new token) and "plain" (no cache, padding or explicit positions).
+    Returns (out [B, T, D], (k_all, v_all)).
     """
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)

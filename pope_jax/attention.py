@@ -2,9 +2,10 @@
 
 Public API: `pope_attention`, `rope_attention`, and the reference `dot_product_attention_reference`.
 Each op dispatches on `implementation=`: "xla" is the reference (float32 math, materialised
-scores); "pallas" (PoPE only) is the fused Mosaic GPU kernel in `pallas_kernels`, imported lazily so a
-CPU-only install imports fine; "cudnn" (RoPE only) rotates q and k and calls cuDNN flash attention
-through `jax.nn.dot_product_attention`. `implementation=None` picks the fastest correct path for the platform.
+scores); "pallas" (PoPE only) is the fused Mosaic GPU kernel in `pallas_kernels`, imported lazily
+so a CPU-only install imports fine; "cudnn" (RoPE only) rotates q and k and calls cuDNN flash
+attention through `jax.nn.dot_product_attention`. `implementation=None` picks the fastest correct
+path for the platform.
 
 Shape letters: B batch, T query length, S key length, N query heads, K kv heads (N % K == 0),
 H q/k head dim, V value head dim.
