@@ -5,7 +5,10 @@
   scales r_k = r_min + (r_max − r_min)·k/H, k = 0..H−1 (1.2 … 1.8), from layer 2 on (layers 0–1
   plain). Heads are ordered once per prompt at prefill by a position-awareness score computed on
   un-rotated q, k: A = softmax(q_last·Kᵀ/√d) over the causal keys of the last query row, score =
-  fraction of keys with A > 4·mean(A). Heads are sorted by descending score.
+  fraction of keys with A > 4·mean(A) (the project spec's factor; the released code, commit
+  a46c3d1, uses 3·mean: `ms_poe_scores(threshold=3.0)`). Heads are sorted by descending score.
+  The released run scripts also switch the ordering off (`--head_type normal`: fixed reversed
+  order) for gold positions 5, 7 and 10 of MDQA; this module always orders by score.
     - rank semantics (default, as the paper describes): the head with the k-th highest score gets
       r_k, i.e. ratio[order[k]] = r_k;
     - official indexing (`official_indexing=True`, as the released code does): the ratio table is
