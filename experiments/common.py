@@ -66,6 +66,19 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
 ENCODING_COLORS = {"rope": "tab:blue", "pope": "tab:red", "none": "tab:gray"}
 
 
+def write_results(out: str | Path, *, title: str, table: str, note: str, record: Any,
+                  runs: list[dict], plot: str, metric: str, ylabel: str,
+                  scale: float = 1.0) -> None:
+  """An experiment's outputs: OUT/results.md (title, table, note), OUT/results.json (record) and
+  OUT/<plot> (`metric` vs step per run); prints the table. Process 0 alone writes (multi-host)."""
+  out = Path(out)
+  if jax.process_index() == 0:
+    (out / "results.md").write_text(f"# {title}\n\n{table}\n{note}\n")
+    write_json(out / "results.json", record)
+    plot_history(runs, out / plot, metric=metric, ylabel=ylabel, title=title, scale=scale)
+  print(table)
+
+
 def plot_history(runs: list[dict], path: str | Path, *, metric: str, ylabel: str, title: str,
                  scale: float = 1.0) -> None:
   """One curve per run of `metric` from its history (evaluation steps only) to a PNG.

@@ -180,14 +180,12 @@ def summarize(out: Path) -> dict:
   table = common.markdown_table(
       ["encoding", "test accuracy % (mean ± sd)", "seeds", "per seed", "shift 0 %",
        "other shifts % (mean over shifts)", "steps/s (all seeds together)"], rows)
-  (out / "results.md").write_text(
-      "# Indirect indexing\n\n" + table + "\nPaper (8x512, 100k steps, 3 seeds): RoPE 11.16 ± "
-      "2.45 %, PoPE 94.82 ± 2.91 %.\n")
-  common.write_json(out / "results.json", {"summary": summary, "runs": runs,
-                                           "configs": configs})
-  common.plot_history(runs, out / "accuracy.png", metric="validation_accuracy", scale=100,
-                      ylabel="validation accuracy (%)", title="Indirect indexing")
-  print(table)
+  common.write_results(
+      out, title="Indirect indexing", table=table,
+      note="Paper (8x512, 100k steps, 3 seeds): RoPE 11.16 ± 2.45 %, PoPE 94.82 ± 2.91 %.",
+      record={"summary": summary, "runs": runs, "configs": configs}, runs=runs,
+      plot="accuracy.png", metric="validation_accuracy", ylabel="validation accuracy (%)",
+      scale=100)
   return summary
 
 
@@ -227,17 +225,9 @@ def main(argv: list[str] | None = None) -> dict:
     if min(seeds) < 0 or len(set(seeds)) != len(seeds):
       parser.error(f"--seeds: expected distinct non-negative integers, got {args.seeds!r}")
     preset = PRESETS[args.preset]
-    spc = args.steps_per_call
-    if spc is not None and spc > 0:
-      bad = [f"{k}={getattr(preset.train, k)}"
-             for k in ("steps", "eval_every", "checkpoint_every", "log_every")
-             if getattr(preset.train, k) % spc]
-      if bad:
-        parser.error(f"--steps-per-call {spc} must divide the --preset {args.preset} settings "
-                     f"{', '.join(bad)}")
     try:  # Configs validate themselves: report their ValueErrors as usage errors.
       overrides = {k: v for k, v in {
-          "batch_size": args.batch_size, "steps_per_call": spc,
+          "batch_size": args.batch_size, "steps_per_call": args.steps_per_call,
           "data_workers": args.data_workers}.items() if v is not None}
       train = dataclasses.replace(preset.train, **overrides)
       if args.steps is not None:

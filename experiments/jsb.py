@@ -104,13 +104,11 @@ def summarize(out: Path, runs: list[dict], preset_name: str) -> dict:
           for r in runs]
   table = common.markdown_table(
       ["encoding", "test NLL/token", "valid NLL/token", "test accuracy %", "steps/s"], rows)
-  (out / "results.md").write_text(
-      f"# JSB chorales from music21 ({preset_name} preset)\n\n" + table +
-      "\nPaper (original JSB, 6 x 256, 3000 steps): RoPE 0.5081, PoPE 0.4889 test NLL.\n")
-  common.write_json(out / "results.json", {"preset": preset_name, "runs": runs})
-  common.plot_history(runs, out / "loss.png", metric="valid_loss",
-                      ylabel="validation NLL per token", title="JSB chorales (music21)")
-  print(table)
+  common.write_results(
+      out, title=f"JSB chorales from music21 ({preset_name} preset)", table=table,
+      note="Paper (original JSB, 6 x 256, 3000 steps): RoPE 0.5081, PoPE 0.4889 test NLL.",
+      record={"preset": preset_name, "runs": runs}, runs=runs, plot="loss.png",
+      metric="valid_loss", ylabel="validation NLL per token")
   return {r["encoding"]: r["test_nll"] for r in runs}
 
 

@@ -172,20 +172,16 @@ def train_model(preset: Preset, encoding: str, out: Path, *, resume: bool, progr
 
 
 def summarize(out: Path, runs: list[dict], preset_name: str) -> dict:
-  """Prints the results table; process 0 also writes results.md, results.json and loss.png."""
   rows = [[r["encoding"], f"{r['valid_loss']:.4f}", f"{r['valid_perplexity']:.2f}",
            common.fmt(r["tokens_per_second"], ".0f")] for r in runs]
   table = common.markdown_table(
       ["encoding", "valid loss (nats/token)", "valid perplexity", "train tokens/s"], rows)
-  if jax.process_index() == 0:
-    (out / "results.md").write_text(
-        f"# Language modelling ({preset_name} preset)\n\n" + table +
-        "\nPaper (OpenWebText, GPT-2-124M, 100k steps): RoPE 21.55, PoPE 21.33 validation "
-        "perplexity.\n")
-    common.write_json(out / "results.json", {"preset": preset_name, "runs": runs})
-    common.plot_history(runs, out / "loss.png", metric="valid_loss",
-                        ylabel="validation loss (nats/token)", title="Language modelling")
-  print(table)
+  common.write_results(
+      out, title=f"Language modelling ({preset_name} preset)", table=table,
+      note="Paper (OpenWebText, GPT-2-124M, 100k steps): RoPE 21.55, PoPE 21.33 validation "
+           "perplexity.",
+      record={"preset": preset_name, "runs": runs}, runs=runs, plot="loss.png",
+      metric="valid_loss", ylabel="validation loss (nats/token)")
   return {r["encoding"]: r["valid_perplexity"] for r in runs}
 
 

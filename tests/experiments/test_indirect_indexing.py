@@ -63,8 +63,7 @@ def test_resume_starts_encodings_not_begun_and_refuses_other_configs(tmp_path):
     (["--seeds", "0,a"], "--seeds: expected comma-separated integers, got '0,a'"),
     (["--seeds", ""], "--seeds: expected comma-separated integers, got ''"),
     (["--seeds", "1,1"], "--seeds: expected distinct non-negative integers"),
-    (["--steps-per-call", "7"], "--steps-per-call 7 must divide the --preset smoke settings "
-                                "steps=30, eval_every=10"),
+    (["--steps-per-call", "7"], "TrainConfig.steps=30 must be a multiple of steps_per_call=7"),
     (["--encodings", ""], "--encodings: name at least one of rope, pope, none"),
     (["--encodings", "rope,alibi"], "--encodings: unknown encoding 'alibi'"),
     (["--batch-size", "0"], "TrainConfig.batch_size must be positive, got 0"),
