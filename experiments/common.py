@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import math
-import os
 import platform
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import jax
+
+from pope_jax import atomic
 
 
 def run_metadata(seed: int | None = None) -> dict[str, Any]:
@@ -49,12 +48,7 @@ def fmt(value: float | None, spec: str) -> str:
 
 def write_json(path: str | Path, obj: Any) -> None:
   """Writes standard JSON (NaN as null) atomically: temp file + rename, never half a file."""
-  path = Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-    json.dump(to_jsonable(obj), f, indent=2, allow_nan=False)
-  os.chmod(f.name, 0o644)
-  os.replace(f.name, path)
+  atomic.write_json(path, to_jsonable(obj))
 
 
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import common
 from lpes_jax import baselines, search
 from lpes_jax.checkpoints import load_checkpoint
 from lpes_jax.llama import Llama
@@ -221,7 +222,7 @@ def main(argv=None) -> None:
   os.makedirs(args.out, exist_ok=True)
   record = evaluate(args)
   path = os.path.join(args.out, f"eval_{args.task}_{args.method}.json")
-  search.atomic_write_json(path, record)
+  common.write_json(path, record)
   plot([record], os.path.join(args.out, f"eval_{args.task}_{args.method}.png"))
   print("gold  " + "  ".join(f"{g:>6s}" for g in record["accuracy"]))
   print(f"{args.method:5s} " + "  ".join(f"{a:6.3f}" for a in record["accuracy"].values()))

@@ -5,13 +5,12 @@
 A random-weight model of a named shape (or a real checkpoint with --model) greedily generates
 `--new-tokens` tokens after a `--prompt-len` prompt for `--batch` rows. Each method is compiled
 once, then timed `--repeats` times (median reported); LPES uses an arbitrary per-layer scale curve,
-which costs exactly what any curve costs. Writes `<out>/latency.json`.
+which costs exactly what any curve costs. Writes `<out>/latency.json` and `<out>/latency.png`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -19,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import common
 from lpes_jax import baselines, search
 from lpes_jax.config import LlamaConfig
 from lpes_jax.llama import Llama, init_params
@@ -90,10 +90,27 @@ def main(argv=None) -> None:
     for name, r in results.items():
       r["ratio_vs_base"] = r["median_s"] / results["base"]["median_s"]
       print(f"{name:8s} / base = {r['ratio_vs_base']:.3f}")
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "latency.json"), "w") as f:
-    json.dump({"args": vars(args), "config": repr(cfg), "results": results,
-               "device": str(jax.devices()[0].device_kind), "jax": jax.__version__}, f, indent=1)
+  common.write_json(os.path.join(args.out, "latency.json"), {
+      "args": vars(args), "config": repr(cfg), "results": results,
+      "device": str(jax.devices()[0].device_kind), "jax": jax.__version__})
+  _plot(results, os.path.join(args.out, "latency.png"),
+        f"{args.preset if args.model is None else args.model}, batch {args.batch}, "
+        f"{args.prompt_len}-token prompt, {args.new_tokens} new tokens")
+
+
+def _plot(results: dict, path: str, title: str) -> None:
+  """Bar chart of the median generation latency per method."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  names = list(results)
+  ax.bar(names, [results[n]["median_s"] * 1e3 for n in names], color="tab:blue")
+  ax.set_ylabel("median latency (ms)")
+  ax.set_title(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
 
 
 if __name__ == "__main__":

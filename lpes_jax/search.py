@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 import time
 from typing import Any, Callable, Sequence
 
@@ -44,6 +43,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lpes_jax import bezier
+from pope_jax import atomic
 
 SUBSETS = ("begin", "middle", "end")
 FITNESS_MODES = ("teacher_forced", "greedy")
@@ -392,23 +392,6 @@ def make_fitness_fn(params, batch: FitnessBatch, *, mode: str = "teacher_forced"
 # Search loop with atomic per-generation checkpoints.
 
 
-def atomic_write_json(path: str, obj) -> None:
-  """Writes JSON to a temp file in the same folder, fsyncs, then os.replace: never half-written."""
-  folder = os.path.dirname(os.path.abspath(path))
-  os.makedirs(folder, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=".tmp_", dir=folder)
-  try:
-    with os.fdopen(fd, "w") as f:
-      json.dump(obj, f, indent=1)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
-
-
 def _rng_state(rng: np.random.Generator) -> dict:
   return rng.bit_generator.state
 
@@ -511,7 +494,7 @@ def run_search(subset_accuracy_fn: Callable[[np.ndarray], np.ndarray],
                     "mean_fitness": float(np.mean(fitness)),
                     "best_subset_accuracy": accuracy[best].tolist(),
                     "seconds": time.perf_counter() - t0})
-    atomic_write_json(state_path, {
+    atomic.write_json(state_path, {
         "signature": signature, "generation": g, "population": population.tolist(),
         "accuracy": accuracy.tolist(), "seen": sorted(seen), "history": history,
         "rng": _rng_state(rng)})
@@ -531,7 +514,7 @@ def run_search(subset_accuracy_fn: Callable[[np.ndarray], np.ndarray],
 def write_results(workdir: str, result: SearchResult, bez: bezier.BezierConfig,
                   cfg: SearchConfig, extra: dict | None = None) -> None:
   """results.json (best scales, multipliers, genome, fitness, configs) and two PNGs."""
-  atomic_write_json(os.path.join(workdir, RESULTS_FILE), {
+  atomic.write_json(os.path.join(workdir, RESULTS_FILE), {
       "scales": [float(s) for s in result.scales],
       "multipliers": [float(m) for m in bezier.scales_to_multipliers(result.scales)],
       "genome": result.genome.tolist(),

@@ -45,6 +45,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
+from pope_jax import atomic
 from pope_jax.config import ModelConfig, TrainConfig
 from pope_jax.model import Transformer
 
@@ -301,9 +302,7 @@ def checkpoint_manager(workdir: Path, run_info: dict, *, resume: bool) -> ocp.Ch
     if diff:
       raise ValueError(f"cannot resume {workdir}: its run.json differs in {', '.join(diff)}")
   elif jax.process_index() == 0:  # Multi-host: one writer of the shared folder's files.
-    tmp = info_file.with_suffix(".tmp")
-    tmp.write_text(json.dumps(info, indent=2))
-    tmp.replace(info_file)
+    atomic.write_json(info_file, info)
   options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True,
                                          enable_async_checkpointing=False,
                                          cleanup_tmp_directories=True)
@@ -373,9 +372,7 @@ def _open_metrics_log(path: Path, history: list[dict]):
   """
   if jax.process_index() != 0:
     return open(os.devnull, "w")
-  tmp = path.with_name(path.name + ".tmp")
-  tmp.write_text("".join(json.dumps(r) + "\n" for r in history))
-  os.replace(tmp, path)
+  atomic.write_text(path, "".join(json.dumps(r) + "\n" for r in history))
   return path.open("a")
 
 
