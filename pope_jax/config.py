@@ -61,6 +61,11 @@ class ModelConfig:
       or "pallas" (the fused PoPE kernel; RoPE then takes its best available path).
     rope_layout: "half" (Hugging Face) or "interleaved".
     rope_yarn: None, or YaRN frequency interpolation and attention temperature (RoPE only).
+    init_std: None keeps Flax's default initialisers (LeCun-normal projections, embedding std
+      1/sqrt(D)); a float gives the GPT-2/nanoGPT scheme: every projection and the embedding
+      ~ N(0, init_std²), the two residual output projections per block (attention out, MLP out)
+      ~ N(0, (init_std/sqrt(2L))²). The PoPE paper does not state its initialisation; its
+      hyper-parameters are nanoGPT's, so 0.02 is the documented assumption (overridable).
   """
   vocab_size: int
   num_layers: int
@@ -79,6 +84,7 @@ class ModelConfig:
   attention_implementation: str | None = None
   rope_layout: str = "half"
   rope_yarn: YarnConfig | None = None
+  init_std: float | None = 0.02
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
@@ -116,6 +122,9 @@ class ModelConfig:
     if self.rope_yarn is not None and self.pos_encoding != "rope":
       raise ValueError(f"ModelConfig.rope_yarn needs pos_encoding='rope', got "
                        f"{self.pos_encoding!r}")
+    if self.init_std is not None and not (isinstance(self.init_std, (int, float))
+                                          and self.init_std > 0):
+      raise ValueError(f"ModelConfig.init_std must be None or > 0, got {self.init_std!r}")
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f"ModelConfig.dropout_rate must be in [0, 1), got {self.dropout_rate}")
 

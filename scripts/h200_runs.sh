@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
 # The GPU runs recorded in docs/results/, on one host with two H200s: one queue of jobs per GPU.
 #
-#   GPU 0: indirect indexing, paper preset, PoPE (seeds 0, 1 vmapped);
-#          then GPT-2-124M-shaped language models on Shakespeare + length extrapolation (h200
-#          presets); then JSB chorales, paper preset.
-#   GPU 1: indirect indexing, paper preset, RoPE (seeds 0, 1 vmapped);
-#          then the attention-kernel benchmark (check, block variants, GPT-2-124M train step),
-#          the Llama prefill/decode benchmark against transformers, LPES latency (7B shape), and
-#          the indirect-indexing summary of both encodings.
+#   GPU 0: indirect indexing, paper preset, PoPE (float32, GPT-2 init, seeds 0, 1, 2 vmapped);
+#          then GPT-2-124M-shaped language models on Shakespeare and zero-shot length
+#          extrapolation to 10x their context (h200 presets).
+#   GPU 1: the attention-kernel benchmark (check and GPT-2-124M train step: PoPE kernel vs RoPE
+#          on cuDNN), the Llama prefill/decode benchmark against transformers; then indirect
+#          indexing, paper preset, RoPE (same settings as PoPE) and the summary of both encodings.
 #
 # Usage: bash scripts/h200_runs.sh [OUT]   (default runs/h200). Expects wheels, when the machine
-# lacks the packages: .whl_ii (grain, array-record, portpicker), .whl_kernel (tokamax and its
-# dependencies), .whl_jsb (music21 and its dependencies); the Shakespeare token files in .lm_data
-# (experiments.language_model's format) and the extracted chorales in .jsb_cache. Each job logs to
+# lacks the packages: .whl_ii (grain, array-record, portpicker), .whl_kernel (tokamax and what it
+# imports that the machine lacks); the Shakespeare token files in .lm_data (experiments.
+# language_model's format). Each job logs to
 # OUT/<job>.log and appends "<job> <exit status>" to OUT/status; OUT/<queue>.done marks a queue
 # that has run all its jobs. Training jobs pass --resume, so running the script again continues
 # unfinished runs. Jobs run in the background (setsid), so the queues outlive the shell that
@@ -26,14 +25,14 @@ site() {  # site DIR WHEEL_DIR: install the wheels once into DIR.
   [ -d "$1" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --target "$1" "$2"/*.whl
 }
-copy_inputs() { for d in .lm_data .jsb_cache; do [ -d "$d" ] && rm -rf "/tmp/$d" && cp -r "$d" "/tmp/$d"; done; }
+copy_inputs() { for d in .lm_data; do [ -d "$d" ] && rm -rf "/tmp/$d" && cp -r "$d" "/tmp/$d"; done; }
 job() {  # job NAME COMMAND...: run, log to OUT/NAME.log, record the exit status.
   local name=$1; shift
   "$@" > "$W/$name.log" 2>&1
   echo "$name $?" >> "$W/status"
 }
 ii() {
-  python3 -m experiments.indirect_indexing --preset paper --seeds 0,1 --dtype bfloat16 \
+  python3 -m experiments.indirect_indexing --preset paper --seeds 0,1,2 --dtype float32 \
     --attention-implementation xla --data-workers 3 --out "$W/ii" --no-progress "$@"
 }
 [ -d .whl_ii ] && site /tmp/site_ii .whl_ii
@@ -46,25 +45,15 @@ queue0() {
   job ii_pope ii --encodings pope --resume
   job lm python3 -m experiments.length_extrapolation --preset h200 --data-dir /tmp/.lm_data \
     --out "$W/lm" --no-progress --resume
-  job lm_summary python3 -m experiments.language_model --preset h200 --data-dir /tmp/.lm_data \
-    --out "$W/lm" --no-progress --resume
-  for _ in $(seq 120); do [ -d .whl_jsb ] || [ -d /tmp/site_jsb ] && break; sleep 5; done
-  copy_inputs  # the wheels and the chorale cache may come with a later call
-  site /tmp/site_jsb .whl_jsb
-  PYTHONPATH=/tmp/site_ii:/tmp/site_jsb POPE_JAX_CACHE=/tmp/.jsb_cache \
-    job jsb python3 -m experiments.jsb --preset paper --out "$W/jsb" --no-progress --resume
   touch "$W/queue0.done"
 }
 
 queue1() {
   export CUDA_VISIBLE_DEVICES=1
-  job ii_rope ii --encodings rope --resume
   PYTHONPATH=/tmp/site_ii:/tmp/site_kernel job bench_attention python3 -m \
-    experiments.bench_attention --check --variants --train-step --iters 10 \
-    --out "$W/bench_attention.json"
+    experiments.bench_attention --check --train-step --iters 10 --out "$W/bench_attention.json"
   job bench_llama python3 -m experiments.bench_llama --suite gpu --out "$W/bench_llama.json"
-  job lpes_latency python3 -m experiments.lpes_latency --preset llama-7b-shape \
-    --out "$W/lpes_latency"
+  job ii_rope ii --encodings rope --resume
   # Both encodings' runs end by summarising OUT/ii; summarise once more after both are done.
   for _ in $(seq 240); do [ -f "$W/ii/pope/result.json" ] && break; sleep 5; done
   job ii_summary ii --summarize

@@ -83,6 +83,21 @@ def test_presets():
     assert cfg.delta_init == "zeros"
 
 
+def test_gpt2_initialisation_scales_residual_projections():
+  cfg = dataclasses.replace(CFG, d_model=256, num_heads=4, num_layers=8, init_std=0.02)
+  _, params = _init(cfg)
+  block = params["block_3"]
+  std = lambda x: float(jnp.std(x))
+  np.testing.assert_allclose(std(params["embed"]["embedding"]), 0.02, rtol=0.1)
+  np.testing.assert_allclose(std(block["attn"]["query"]["kernel"]), 0.02, rtol=0.1)
+  np.testing.assert_allclose(std(block["mlp_in"]["kernel"]), 0.02, rtol=0.1)
+  for residual in (block["attn"]["out"]["kernel"], block["mlp_out"]["kernel"]):
+    np.testing.assert_allclose(std(residual), 0.02 / 4.0, rtol=0.1)   # 0.02 / sqrt(2 L)
+  # None keeps Flax's LeCun normal: std 1/sqrt(fan_in).
+  _, flax_params = _init(dataclasses.replace(cfg, init_std=None))
+  np.testing.assert_allclose(std(flax_params["block_3"]["mlp_out"]["kernel"]), 1 / 32.0, rtol=0.1)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(pos_encoding="alibi"), "pos_encoding"),
     (dict(pos_encoding="rope", head_dim=7), "head_dim"),
@@ -96,6 +111,8 @@ def test_presets():
     (dict(num_layers=2.5), "num_layers"),
     (dict(pope_base=-5.0), "pope_base"),
     (dict(attention_implementation="foo"), "attention_implementation"),
+    (dict(init_std=0.0), "init_std"),
+    (dict(init_std="gpt2"), "init_std"),
 ])
 def test_config_errors_name_the_field(kwargs, match):
   with pytest.raises(ValueError, match=match):
