@@ -68,6 +68,8 @@ def test_resume_starts_encodings_not_begun_and_refuses_other_configs(tmp_path):
     (["--encodings", "rope,alibi"], "--encodings: unknown encoding 'alibi'"),
     (["--batch-size", "0"], "TrainConfig.batch_size must be positive, got 0"),
     (["--steps", "0"], "--steps must be positive"),
+    (["--init-std", "gpt2"], "--init-std: expected a float or 'flax', got 'gpt2'"),
+    (["--init-std", "-1"], "ModelConfig.init_std must be None or > 0, got -1.0"),
 ])
 def test_bad_flags_are_usage_errors(tmp_path, capsys, argv, message):
   with pytest.raises(SystemExit) as e:
