@@ -122,8 +122,9 @@ class ModelConfig:
     if self.rope_yarn is not None and self.pos_encoding != "rope":
       raise ValueError(f"ModelConfig.rope_yarn needs pos_encoding='rope', got "
                        f"{self.pos_encoding!r}")
-    if self.init_std is not None and not (isinstance(self.init_std, (int, float))
-                                          and self.init_std > 0):
+    if self.init_std is not None and not (
+        isinstance(self.init_std, (int, float)) and not isinstance(self.init_std, bool)
+        and 0 < self.init_std < float("inf")):
       raise ValueError(f"ModelConfig.init_std must be None or > 0, got {self.init_std!r}")
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f"ModelConfig.dropout_rate must be in [0, 1), got {self.dropout_rate}")

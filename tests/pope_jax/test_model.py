@@ -113,6 +113,8 @@ def test_gpt2_initialisation_scales_residual_projections():
     (dict(attention_implementation="foo"), "attention_implementation"),
     (dict(init_std=0.0), "init_std"),
     (dict(init_std="gpt2"), "init_std"),
+    (dict(init_std=True), "init_std"),
+    (dict(init_std=float("inf")), "init_std"),
 ])
 def test_config_errors_name_the_field(kwargs, match):
   with pytest.raises(ValueError, match=match):
