@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import math
@@ -99,6 +100,26 @@ def plot_history(runs: list[dict], path: str | Path, *, metric: str, ylabel: str
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+def add_init_std_flag(parser) -> None:
+  """--init-std: GPT-2-style std (a positive float) or 'flax' (`ModelConfig.init_std=None`)."""
+  def parse(value: str) -> float | str:
+    if value == "flax":
+      return value
+    try:
+      return float(value)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected a float or 'flax', got {value!r}") from None
+  parser.add_argument("--init-std", type=parse,
+                      help="GPT-2-style init std (default 0.02), or 'flax' for Flax's defaults")
+
+
+def with_init_std(model, value: float | str | None):
+  """`model` with --init-std applied (None: flag not given). Raises ModelConfig's ValueError."""
+  if value is None:
+    return model
+  return dataclasses.replace(model, init_std=None if value == "flax" else value)
 
 
 def with_steps(train, steps: int):

@@ -189,15 +189,6 @@ def summarize(out: Path) -> dict:
   return summary
 
 
-def _init_std(value: str) -> float | str:
-  if value == "flax":
-    return value
-  try:
-    return float(value)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a float or 'flax', got {value!r}") from None
-
-
 def main(argv: list[str] | None = None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -210,8 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--data-workers", type=int, help="grain worker processes")
   parser.add_argument("--dtype", choices=["float32", "bfloat16"],
                       help="override the compute dtype (params stay float32)")
-  parser.add_argument("--init-std", type=_init_std,
-                      help="GPT-2-style init std (default 0.02), or 'flax' for Flax's defaults")
+  common.add_init_std_flag(parser)
   parser.add_argument("--attention-implementation", choices=["xla", "pallas"],
                       help="PoPE attention implementation (default: best available)")
   parser.add_argument("--out", type=Path, default=Path("runs/indirect_indexing"))
@@ -247,11 +237,9 @@ def main(argv: list[str] | None = None) -> dict:
       model_overrides = {k: v for k, v in {
           "dtype": args.dtype, "attention_implementation": args.attention_implementation}.items()
           if v is not None}
-      if args.init_std is not None:
-        model_overrides["init_std"] = None if args.init_std == "flax" else args.init_std
-      if model_overrides:
-        preset = dataclasses.replace(preset, model=dataclasses.replace(preset.model,
-                                                                       **model_overrides))
+      model = common.with_init_std(dataclasses.replace(preset.model, **model_overrides),
+                                   args.init_std)
+      preset = dataclasses.replace(preset, model=model)
     except ValueError as e:
       parser.error(str(e))
     try:

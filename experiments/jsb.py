@@ -125,12 +125,17 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--resume", action="store_true",
                       help="continue unfinished runs from their checkpoints in --out")
   parser.add_argument("--no-progress", action="store_true")
+  common.add_init_std_flag(parser)
   args = parser.parse_args(argv)
   preset = PRESETS[args.preset]
   train = dataclasses.replace(preset.train, seed=args.seed)
   if args.steps:
     train = common.with_steps(train, args.steps)
-  preset = dataclasses.replace(preset, train=train)
+  try:
+    preset = dataclasses.replace(preset, train=train,
+                                 model=common.with_init_std(preset.model, args.init_std))
+  except ValueError as e:
+    parser.error(str(e))
   if args.transpose is not None:
     preset = dataclasses.replace(preset, transpositions=tuple(range(-args.transpose,
                                                                     args.transpose + 1)))

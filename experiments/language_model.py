@@ -214,6 +214,7 @@ def add_common_flags(parser: argparse.ArgumentParser, default_out: str) -> None:
   parser.add_argument("--coordinator", help="host:port of process 0 (multi-host)")
   parser.add_argument("--num-processes", type=int, help="number of processes (multi-host)")
   parser.add_argument("--process-id", type=int, help="this process's index (multi-host)")
+  common.add_init_std_flag(parser)
 
 
 def resolve_preset(args) -> Preset:
@@ -224,14 +225,18 @@ def resolve_preset(args) -> Preset:
   train = dataclasses.replace(preset.train, seed=args.seed, fsdp=args.fsdp)
   if args.steps:
     train = common.with_steps(train, args.steps)
-  return dataclasses.replace(preset, train=train)
+  return dataclasses.replace(preset, train=train,
+                             model=common.with_init_std(preset.model, args.init_std))
 
 
 def main(argv: list[str] | None = None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   add_common_flags(parser, "runs/language_model")
   args = parser.parse_args(argv)
-  preset = resolve_preset(args)
+  try:
+    preset = resolve_preset(args)
+  except ValueError as e:  # A config that refuses a flag's value: a usage error.
+    parser.error(str(e))
   runs = []
   for enc in [e.strip() for e in args.encodings.split(",") if e.strip()]:
     if enc not in ("rope", "pope"):

@@ -151,7 +151,11 @@ def main(argv: list[str] | None = None) -> dict:
   args = parser.parse_args(argv)
   preset = PRESETS[args.preset]
   args.preset = preset.lm
-  return run(preset, lm.resolve_preset(args), args.out, resume=args.resume,
+  try:
+    lm_preset = lm.resolve_preset(args)
+  except ValueError as e:  # A config that refuses a flag's value: a usage error.
+    parser.error(str(e))
+  return run(preset, lm_preset, args.out, resume=args.resume,
              progress=not args.no_progress, data_dir=args.data_dir,
              splits=lm.parse_splits(args.splits), eval_batch_size=args.eval_batch_size)
 

@@ -27,3 +27,10 @@ def test_jsb_smoke(tmp_path):
   mtime = (out / "pope" / "result.json").stat().st_mtime_ns
   assert jsb.main(args + ["--encodings", "pope"]) == {"pope": summary["pope"]}
   assert (out / "pope" / "result.json").stat().st_mtime_ns == mtime
+
+
+def test_init_std_flag_is_validated(tmp_path, capsys):
+  with pytest.raises(SystemExit) as e:
+    jsb.main(["--preset", "smoke", "--out", str(tmp_path), "--init-std", "0"])
+  assert e.value.code == 2
+  assert "ModelConfig.init_std must be None or > 0, got 0.0" in capsys.readouterr().err

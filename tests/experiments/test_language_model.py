@@ -1,6 +1,7 @@
 """Smoke tests of the language-model experiments on Shakespeare: training, length extrapolation
 (with the YaRN baseline and its fine-tune) and frequency usage share one output folder."""
 
+import argparse
 import json
 
 import pytest
@@ -73,3 +74,19 @@ def test_two_processes_match_one(lm_out, tmp_path):
   steps = [json.loads(line)["step"] for line in
            (tmp_path / "rope" / "metrics.jsonl").read_text().splitlines()]
   assert steps == sorted(set(steps))                 # one writer: no duplicated records
+
+
+@pytest.mark.parametrize("main", [language_model.main, length_extrapolation.main])
+def test_init_std_flag_is_validated(main, tmp_path, capsys):
+  with pytest.raises(SystemExit) as e:
+    main(["--preset", "smoke", "--out", str(tmp_path), "--init-std", "-0.5"])
+  assert e.value.code == 2
+  assert "ModelConfig.init_std must be None or > 0, got -0.5" in capsys.readouterr().err
+
+
+def test_init_std_flag_reaches_the_model_config():
+  parser = argparse.ArgumentParser()
+  language_model.add_common_flags(parser, "runs/x")
+  for flag, want in (([], 0.02), (["--init-std", "flax"], None), (["--init-std", "0.01"], 0.01)):
+    preset = language_model.resolve_preset(parser.parse_args(["--preset", "smoke"] + flag))
+    assert preset.model.init_std == want
