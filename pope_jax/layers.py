@@ -31,8 +31,8 @@ class PositionalAttention(nn.Module):
     attention_implementation: None (best available), "xla" (reference attention for every
       encoding) or "pallas" (PoPE's fused kernel; RoPE takes its best available path).
     dtype: compute dtype.
-    kernel_init, out_kernel_init: initialisers of the q/k/v and output projections (None: Flax's
-      LeCun normal).
+    kernel_init, out_kernel_init: initialisers of the q/k/v and output projections (default:
+      Flax's LeCun normal).
   """
   num_heads: int
   num_kv_heads: int
@@ -45,8 +45,8 @@ class PositionalAttention(nn.Module):
   rope_yarn: object | None = None
   attention_implementation: str | None = None
   dtype: jnp.dtype = jnp.float32
-  kernel_init: nn.initializers.Initializer | None = None
-  out_kernel_init: nn.initializers.Initializer | None = None
+  kernel_init: nn.initializers.Initializer = nn.linear.default_kernel_init
+  out_kernel_init: nn.initializers.Initializer = nn.linear.default_kernel_init
 
   @nn.compact
   def __call__(self, x: Array, *, positions: Array | None = None,
@@ -62,9 +62,8 @@ class PositionalAttention(nn.Module):
       [B, T, D] in `dtype`.
     """
     n, kh, h = self.num_heads, self.num_kv_heads, self.head_dim
-    init = lambda f: {} if f is None else {"kernel_init": f}
     dense = lambda heads, name: nn.DenseGeneral(
-        (heads, h), use_bias=False, dtype=self.dtype, name=name, **init(self.kernel_init))
+        (heads, h), use_bias=False, dtype=self.dtype, name=name, kernel_init=self.kernel_init)
     q, k, v = dense(n, "query")(x), dense(kh, "key")(x), dense(kh, "value")(x)  # [B, T, N|K, H]
     # Default positions stay None so the attention ops can use a fused kernel's own causal mask.
     common = dict(is_causal=True, q_positions=positions, k_positions=positions,
@@ -95,4 +94,4 @@ class PositionalAttention(nn.Module):
     else:
       raise ValueError(f"pos_encoding must be 'rope', 'pope' or 'none', got {self.pos_encoding!r}")
     return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), use_bias=False, dtype=self.dtype,
-                           name="out", **init(self.out_kernel_init))(out)
+                           name="out", kernel_init=self.out_kernel_init)(out)

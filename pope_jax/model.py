@@ -41,18 +41,18 @@ def layer_multipliers(multipliers: Array | float | None, num_layers: int, num_he
                    f"[{num_layers}, {num_heads}], got {m.shape}")
 
 
-def initializers(config: ModelConfig) -> dict[str, dict]:
-  """Keyword arguments for the embedding, projections and residual output projections.
+def initializers(config: ModelConfig) -> tuple[nn.initializers.Initializer, ...]:
+  """(embedding, projection, residual output projection) initialisers.
 
-  Empty dicts keep Flax's defaults (`ModelConfig.init_std=None`); otherwise GPT-2's scheme:
-  N(0, init_std²), and N(0, (init_std/sqrt(2L))²) for the projections that write the residual.
+  Flax's defaults when `ModelConfig.init_std` is None; otherwise GPT-2's scheme: N(0, init_std²),
+  and N(0, (init_std/sqrt(2L))²) for the projections that write the residual stream.
   """
   if config.init_std is None:
-    return {"embed": {}, "dense": {}, "residual": {}}
+    lecun = nn.linear.default_kernel_init
+    return nn.linear.default_embed_init, lecun, lecun
   normal = nn.initializers.normal
-  return {"embed": {"embedding_init": normal(config.init_std)},
-          "dense": {"kernel_init": normal(config.init_std)},
-          "residual": {"kernel_init": normal(config.init_std / (2 * config.num_layers) ** 0.5)}}
+  return (normal(config.init_std), normal(config.init_std),
+          normal(config.init_std / (2 * config.num_layers) ** 0.5))
 
 
 class Block(nn.Module):
@@ -63,21 +63,21 @@ class Block(nn.Module):
   def __call__(self, x, *, positions, multiplier, deterministic):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
-    init = initializers(cfg)
+    _, kernel_init, residual_init = initializers(cfg)
     h = nn.RMSNorm(dtype=dtype, name="attn_norm")(x)
     h = PositionalAttention(
         num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_size,
         pos_encoding=cfg.pos_encoding, rope_base=cfg.rope_base, pope_base=cfg.pope_base,
         delta_init=cfg.delta_init, rope_layout=cfg.rope_layout, rope_yarn=cfg.rope_yarn,
         attention_implementation=cfg.attention_implementation, dtype=dtype, name="attn",
-        kernel_init=init["dense"].get("kernel_init"),
-        out_kernel_init=init["residual"].get("kernel_init"),
+        kernel_init=kernel_init, out_kernel_init=residual_init,
     )(h, positions=positions, multiplier=multiplier)
     x = x + nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
     h = nn.RMSNorm(dtype=dtype, name="mlp_norm")(x)
-    h = nn.Dense(cfg.mlp_size, use_bias=False, dtype=dtype, name="mlp_in", **init["dense"])(h)
+    h = nn.Dense(cfg.mlp_size, use_bias=False, dtype=dtype, name="mlp_in",
+                 kernel_init=kernel_init)(h)
     h = nn.Dense(cfg.d_model, use_bias=False, dtype=dtype, name="mlp_out",
-                 **init["residual"])(nn.gelu(h))
+                 kernel_init=residual_init)(nn.gelu(h))
     return x + nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
 
 
@@ -102,8 +102,8 @@ class Transformer(nn.Module):
       [B, T, V] float32 logits.
     """
     cfg = self.config
-    init = initializers(cfg)
-    embed = nn.Embed(cfg.vocab_size, cfg.d_model, name="embed", **init["embed"])
+    embed_init, kernel_init, _ = initializers(cfg)
+    embed = nn.Embed(cfg.vocab_size, cfg.d_model, name="embed", embedding_init=embed_init)
     x = embed(tokens).astype(cfg.dtype)                                   # [B, T, D]
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
     mult = layer_multipliers(rope_multipliers, cfg.num_layers, cfg.num_heads)
@@ -116,5 +116,5 @@ class Transformer(nn.Module):
       logits = embed.attend(x)
     else:
       logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, name="head",
-                        **init["dense"])(x)
+                        kernel_init=kernel_init)(x)
     return logits.astype(jnp.float32)
