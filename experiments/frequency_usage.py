@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--max-windows", type=int, help="validation windows to average over")
   args = parser.parse_args(argv)
   return run(lm.resolve_preset(args), args.out,
-             max_windows=args.max_windows or MAX_WINDOWS[args.preset], resume=args.resume,
+             max_windows=args.max_windows or MAX_WINDOWS.get(args.preset, 64), resume=args.resume,
              progress=not args.no_progress, data_dir=args.data_dir,
              splits=lm.parse_splits(args.splits))
 
