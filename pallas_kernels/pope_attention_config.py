@@ -20,6 +20,8 @@ class BlockSizes:
     block_q_dq, block_kv_dq: dq kernel (resident queries, streamed keys).
     block_kv_dkv, block_q_dkv: dk/dv kernel (resident keys, streamed queries).
     stages: SMEM pipeline depth of the streamed operand (>= 2).
+    ping_pong: forward only: the two compute warpgroups take turns on the tensor cores, one's
+      softmax overlapping the other's matmuls (FlashAttention-3 §3.1).
   """
   block_q: int = 64
   block_kv: int = 128
@@ -28,6 +30,7 @@ class BlockSizes:
   block_kv_dkv: int = 64
   block_q_dkv: int = 64
   stages: int = 2
+  ping_pong: bool = True
 
   def __post_init__(self):
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",

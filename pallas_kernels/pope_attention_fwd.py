@@ -49,13 +49,19 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
   n_ctas = t_len // (st.COMPUTE_WGS * bq)
   dtype = a.dtype
 
+  # The CPU interpreter can deadlock on the handshake when it runs under jit (its warpgroup
+  # threads share a small executor), so interpreted runs (tests) keep the plain schedule; the
+  # GPU check of experiments.bench_attention covers the ping-pong one.
+  ping_pong = blocks.ping_pong and not st.interpreted()
+
   def kernel(a_ref, b_ref, v_ref, qpos_ref, kpos_ref, tab_ref, o_ref, lse_ref,
              a_smem, o_smem, qpos_smem, lse_smem, b_smem, v_smem, kpos_smem,
-             a_bar, qpos_bar, b_bar, v_bar, kpos_bar, consumed):
+             a_bar, qpos_bar, b_bar, v_bar, kpos_bar, b_consumed, v_consumed, schedule):
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
     cta = lax.axis_index("q_tiles")
     wg = lax.axis_index("wg")
+    handshake = (lambda: st.schedule_barrier(schedule)) if ping_pong else None
 
     @pl.when(wg < st.COMPUTE_WGS)
     def _compute():
@@ -70,34 +76,53 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
       ranges = st.read_ranges(tab_ref, batch, cta, wg)
       u_lo = ranges[0]
 
+      # Each step makes two handshakes (after issuing QKᵀ, after the softmax); warpgroup 1 makes
+      # one before its first step and warpgroup 0 one after its last, so they alternate.
       def step(s, carry, mode):
         slot = st.slot_of(s, u_lo, stages)
         plgpu.barrier_wait(b_bar.at[slot])
-        plgpu.barrier_wait(v_bar.at[slot])
         plgpu.barrier_wait(kpos_bar.at[slot])
         if mode == "skip":
-          plgpu.barrier_arrive(consumed.at[slot])
+          plgpu.barrier_arrive(b_consumed.at[slot])
+          plgpu.barrier_wait(v_bar.at[slot])
+          plgpu.barrier_arrive(v_consumed.at[slot])
+          if ping_pong:
+            handshake()
+            handshake()
           return carry
         acc, m_i, l_i = carry
-        s_blk = st.matmul(a_smem.at[wg], b_smem.at[slot].transpose((1, 0)), (bq, bk))
+        s_blk = st.matmul(a_smem.at[wg], b_smem.at[slot].transpose((1, 0)), (bq, bk),
+                          then=handshake)
         if mode == "masked":
           kpos = st.row_vector(kpos_smem.at[slot], 1)
           visible = st.broadcast(kpos, (bq, bk), 1) <= st.broadcast(qpos, (bq, bk), 0)
           s_blk = jnp.where(visible, s_blk, st.NEG_INF)
+        plgpu.barrier_arrive(b_consumed.at[slot])
         m_new = jnp.maximum(m_i, s_blk.max(axis=1))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(s_blk - st.broadcast(m_new, (bq, bk), 0))
         l_i = l_i * alpha + p.sum(axis=1)
         acc = acc * st.broadcast(alpha, (bq, vd), 0)
-        acc = st.matmul_acc(acc, p.astype(dtype), v_smem.at[slot])
-        plgpu.barrier_arrive(consumed.at[slot])
+        p = p.astype(dtype)
+        if ping_pong:  # Finish the softmax before handing the tensor cores over.
+          acc, l_i, m_new, p = lax.optimization_barrier((acc, l_i, m_new, p))
+          plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(v_bar.at[slot])
+        if ping_pong:
+          plgpu.barrier_wait(schedule)
+        acc = st.matmul_acc(acc, p, v_smem.at[slot])
+        plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_new, l_i
 
       acc = plgpu.layout_cast(jnp.zeros((bq, vd), jnp.float32), plgpu.Layout.WGMMA)
       m_i = plgpu.layout_cast(jnp.full((bq,), st.M_INIT, jnp.float32),
                               plgpu.Layout.WGMMA.reduce(1))
       l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+      if ping_pong:
+        pl.when(wg == 1)(handshake)
       acc, m_i, l_i = st.compute_loops(ranges, (acc, m_i, l_i), step)
+      if ping_pong:
+        pl.when(wg == 0)(handshake)
 
       empty = l_i == 0.0
       l_safe = jnp.where(empty, 1.0, l_i)
@@ -114,12 +139,11 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
 
       def copies(s):
         cols = pl.ds(s * bk, bk)
-        return ((b_ref.at[batch, cols, kv_head], b_smem, b_bar),
-                (v_ref.at[batch, cols, kv_head], v_smem, v_bar),
-                (kpos_ref.at[batch, cols], kpos_smem, kpos_bar))
+        return ((b_ref.at[batch, cols, kv_head], b_smem, b_bar, b_consumed),
+                (kpos_ref.at[batch, cols], kpos_smem, kpos_bar, b_consumed),
+                (v_ref.at[batch, cols, kv_head], v_smem, v_bar, v_consumed))
 
-      st.memory_warpgroup((tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]), stages, consumed,
-                          copies)
+      st.memory_warpgroup((tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]), stages, copies)
 
   tf = st.tile_transforms()
   scratch = [
@@ -136,6 +160,8 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_arrivals=st.COMPUTE_WGS, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=st.COMPUTE_WGS, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=st.COMPUTE_WGS),
   ]
   out_type = (jax.ShapeDtypeStruct((bsz, t_len, n_heads, vd), dtype),
               jax.ShapeDtypeStruct((bsz, n_heads, t_len), jnp.float32))
