@@ -94,43 +94,39 @@ def compute_loops(ranges, carry, step):
   return carry
 
 
-def memory_warpgroup(visit, stages: int, copies):
-  """The TMA warpgroup of every kernel here.
-
-  For each step s of the tile's visit range `visit` = (u_lo, u_hi), `copies(s)` names tuples
-  (gmem source, smem buffers, loaded barriers, consumed barriers); each source goes into the
-  step's slot once the compute warpgroups released that slot's previous contents (an arrival
-  of both on the consumed barrier). Copies may share a consumed barrier array.
-  """
-  plgpu.set_max_registers(40, action="decrease")
-  u_lo, u_hi = visit
-
-  def issue(s, slot, wait: bool):
-    waited = set()  # A wait observes one phase: wait once per consumed barrier and step.
-    for src, dst, bar, consumed in copies(s):
-      if wait and id(consumed) not in waited:
-        waited.add(id(consumed))
-        plgpu.barrier_wait(consumed.at[slot])
-      plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
-
+def stream(u_lo, u_hi, stages: int, consumed, issue):
+  """Memory warpgroup: issue(s, slot) for s in [u_lo, u_hi), reusing a slot once consumed."""
   for i in range(stages):
     @pl.when(u_lo + i < u_hi)
     def _prologue():
-      issue(u_lo + i, i, wait=False)
+      issue(u_lo + i, i)
 
   def body(s, _):
-    issue(s, lax.rem(s - u_lo, stages), wait=True)
+    slot = lax.rem(s - u_lo, stages)
+    plgpu.barrier_wait(consumed.at[slot])
+    issue(s, slot)
     return None
 
   lax.fori_loop(u_lo + stages, u_hi, body, None)
-  released = list({id(c[3]): c[3] for c in copies(u_lo)}.values())
 
   def drain(s, _):  # Wait for the last steps' release so every barrier phase is observed.
-    for consumed in released:
-      plgpu.barrier_wait(consumed.at[lax.rem(s - u_lo, stages)])
+    plgpu.barrier_wait(consumed.at[lax.rem(s - u_lo, stages)])
     return None
 
   lax.fori_loop(jnp.maximum(u_lo, u_hi - stages), u_hi, drain, None)
+
+
+def memory_warpgroup(visit, stages: int, consumed, copies):
+  """The TMA warpgroup of every kernel here: for each step s of the tile's visit range
+  `visit` = (u_lo, u_hi), copies each (gmem source, smem buffers, barriers) of `copies(s)` into
+  the step's slot, reusing a slot once the compute warpgroups released it."""
+  plgpu.set_max_registers(40, action="decrease")
+
+  def issue(s, slot):
+    for src, dst, bar in copies(s):
+      plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
+
+  stream(visit[0], visit[1], stages, consumed, issue)
 
 
 def schedule_barrier(barrier) -> None:
@@ -171,37 +167,14 @@ def matmul(a, b, shape, then=None) -> jax.Array:
   return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
 
-def matmul_acc(acc: jax.Array, a, b, then=None) -> jax.Array:
-  """acc + a @ b (wgmma accumulating in registers; the interpreter adds a fresh product).
-
-  `then()` as in `matmul`.
-  """
-  return matmuls((acc, a, b), then=then)[0]
-
-
-def matmuls(*products, then=None) -> tuple[jax.Array, ...]:
-  """Several wgmmas issued together and awaited once: acc_i + a_i @ b_i for (acc_i, a_i, b_i).
-
-  acc_i is a float32 WGMMA-layout register value, or a shape tuple for a fresh zero
-  accumulator. `then()` as in `matmul`.
-  """
-  def init(acc):
-    if isinstance(acc, tuple):
-      return plgpu.layout_cast(jnp.zeros(acc, jnp.float32), plgpu.Layout.WGMMA)
-    return acc
-
+def matmul_acc(acc: jax.Array, a, b) -> jax.Array:
+  """acc + a @ b (wgmma accumulating in registers; the interpreter adds a fresh product)."""
   if interpreted():  # The interpreter does not implement run_state.
-    out = tuple(init(acc) + matmul(a, b, init(acc).shape) for acc, a, b in products)
-    if then is not None:
-      then()
-    return out
+    return acc + matmul(a, b, acc.shape)
 
-  def run(acc_refs):
-    for acc_ref, (_, a, b) in zip(acc_refs, products):
-      plgpu.wgmma(acc_ref, a, b)
-    if then is not None:
-      then()
-  return pl.run_state(run)(tuple(plgpu.ACC.init(init(acc)) for acc, _, _ in products))
+  def run(acc_ref):
+    plgpu.wgmma(acc_ref, a, b)
+  return pl.run_state(run)(plgpu.ACC.init(acc))
 
 
 def row_vector(smem_ref, rows_axis: int):

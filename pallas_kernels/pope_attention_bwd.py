@@ -98,11 +98,12 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
 
       def copies(s):
         cols = pl.ds(s * bk, bk)
-        return ((b_ref.at[batch, cols, kv_head], b_smem, b_bar, consumed),
-                (v_ref.at[batch, cols, kv_head], v_smem, v_bar, consumed),
-                (kpos_ref.at[batch, cols], kpos_smem, kpos_bar, consumed))
+        return ((b_ref.at[batch, cols, kv_head], b_smem, b_bar),
+                (v_ref.at[batch, cols, kv_head], v_smem, v_bar),
+                (kpos_ref.at[batch, cols], kpos_smem, kpos_bar))
 
-      st.memory_warpgroup((tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]), stages, copies)
+      st.memory_warpgroup((tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]), stages, consumed,
+                          copies)
 
   tf = st.tile_transforms()
   wgs = st.COMPUTE_WGS
@@ -187,9 +188,8 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: 
           s_t = jnp.where(visible, s_t, st.NEG_INF)
         lse = st.row_vector(lse_smem.at[slot], 1)
         p_t = jnp.exp2(s_t - st.broadcast(lse, (bk, bq), 1))
-        # dV and dPᵀ issued together and awaited once.
-        dv_acc, dp_t = st.matmuls((dv_acc, p_t.astype(dtype), do_smem.at[slot]),
-                                  ((bk, bq), v_smem.at[wg], do_smem.at[slot].transpose((1, 0))))
+        dv_acc = st.matmul_acc(dv_acc, p_t.astype(dtype), do_smem.at[slot])
+        dp_t = st.matmul(v_smem.at[wg], do_smem.at[slot].transpose((1, 0)), (bk, bq))
         dlt = st.row_vector(delta_smem.at[slot], 1)
         ds_t = p_t * (dp_t - st.broadcast(dlt, (bk, bq), 1))
         db_acc = st.matmul_acc(db_acc, ds_t.astype(dtype), a_smem.at[slot])
@@ -210,13 +210,14 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: 
     def _memory():
       def copies(s):
         rows = pl.ds(s * bq, bq)
-        return ((a_ref.at[batch, rows, head], a_smem, a_bar, consumed),
-                (do_ref.at[batch, rows, head], do_smem, do_bar, consumed),
-                (lse_ref.at[batch, head, rows], lse_smem, lse_bar, consumed),
-                (delta_ref.at[batch, head, rows], delta_smem, delta_bar, consumed),
-                (qpos_ref.at[batch, rows], qpos_smem, qpos_bar, consumed))
+        return ((a_ref.at[batch, rows, head], a_smem, a_bar),
+                (do_ref.at[batch, rows, head], do_smem, do_bar),
+                (lse_ref.at[batch, head, rows], lse_smem, lse_bar),
+                (delta_ref.at[batch, head, rows], delta_smem, delta_bar),
+                (qpos_ref.at[batch, rows], qpos_smem, qpos_bar))
 
-      st.memory_warpgroup((tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]), stages, copies)
+      st.memory_warpgroup((tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]), stages, consumed,
+                          copies)
 
   tf = st.tile_transforms()
   wgs = st.COMPUTE_WGS

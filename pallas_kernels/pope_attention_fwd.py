@@ -56,7 +56,7 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
 
   def kernel(a_ref, b_ref, v_ref, qpos_ref, kpos_ref, tab_ref, o_ref, lse_ref,
              a_smem, o_smem, qpos_smem, lse_smem, b_smem, v_smem, kpos_smem,
-             a_bar, qpos_bar, b_bar, v_bar, kpos_bar, b_consumed, v_consumed, schedule):
+             a_bar, qpos_bar, b_bar, v_bar, kpos_bar, consumed, schedule):
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
     cta = lax.axis_index("q_tiles")
@@ -81,11 +81,10 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
       def step(s, carry, mode):
         slot = st.slot_of(s, u_lo, stages)
         plgpu.barrier_wait(b_bar.at[slot])
+        plgpu.barrier_wait(v_bar.at[slot])
         plgpu.barrier_wait(kpos_bar.at[slot])
         if mode == "skip":
-          plgpu.barrier_arrive(b_consumed.at[slot])
-          plgpu.barrier_wait(v_bar.at[slot])
-          plgpu.barrier_arrive(v_consumed.at[slot])
+          plgpu.barrier_arrive(consumed.at[slot])
           if ping_pong:
             handshake()
             handshake()
@@ -97,7 +96,6 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
           kpos = st.row_vector(kpos_smem.at[slot], 1)
           visible = st.broadcast(kpos, (bq, bk), 1) <= st.broadcast(qpos, (bq, bk), 0)
           s_blk = jnp.where(visible, s_blk, st.NEG_INF)
-        plgpu.barrier_arrive(b_consumed.at[slot])
         m_new = jnp.maximum(m_i, s_blk.max(axis=1))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(s_blk - st.broadcast(m_new, (bq, bk), 0))
@@ -106,12 +104,9 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
         p = p.astype(dtype)
         if ping_pong:  # Finish the softmax before handing the tensor cores over.
           acc, l_i, m_new, p = lax.optimization_barrier((acc, l_i, m_new, p))
-          plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(v_bar.at[slot])
-        if ping_pong:
-          plgpu.barrier_wait(schedule)
+          handshake()
         acc = st.matmul_acc(acc, p, v_smem.at[slot])
-        plgpu.barrier_arrive(v_consumed.at[slot])
+        plgpu.barrier_arrive(consumed.at[slot])
         return acc, m_new, l_i
 
       acc = plgpu.layout_cast(jnp.zeros((bq, vd), jnp.float32), plgpu.Layout.WGMMA)
@@ -139,11 +134,12 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
 
       def copies(s):
         cols = pl.ds(s * bk, bk)
-        return ((b_ref.at[batch, cols, kv_head], b_smem, b_bar, b_consumed),
-                (kpos_ref.at[batch, cols], kpos_smem, kpos_bar, b_consumed),
-                (v_ref.at[batch, cols, kv_head], v_smem, v_bar, v_consumed))
+        return ((b_ref.at[batch, cols, kv_head], b_smem, b_bar),
+                (v_ref.at[batch, cols, kv_head], v_smem, v_bar),
+                (kpos_ref.at[batch, cols], kpos_smem, kpos_bar))
 
-      st.memory_warpgroup((tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]), stages, copies)
+      st.memory_warpgroup((tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]), stages, consumed,
+                          copies)
 
   tf = st.tile_transforms()
   scratch = [
@@ -159,7 +155,6 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_arrivals=st.COMPUTE_WGS, num_barriers=stages),
       plgpu.Barrier(num_arrivals=st.COMPUTE_WGS, num_barriers=stages),
       plgpu.Barrier(num_arrivals=st.COMPUTE_WGS),
   ]
