@@ -59,7 +59,12 @@ def _gcd(a: int, b: int) -> int:
 
 
 def default_block_sizes(head_dim: int) -> BlockSizes:
-  """Heuristic default for PoPE head dim H (q/k tiles are 2H wide; SMEM and registers bound)."""
-  if head_dim <= 64:  # Measured best of four variants on the H200 (attention_kernel.md).
+  """Heuristic default for PoPE head dim H (q/k tiles are 2H wide; SMEM and registers bound).
+
+  Measured on the H200 (docs/results/attention_kernel.md): at H <= 64 the best of four block
+  shapes, with the ping-pong forward (6 % faster there); at H = 128 the ping-pong forward is 4 %
+  slower, so it is off.
+  """
+  if head_dim <= 64:
     return BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128, stages=2)
-  return BlockSizes(block_q=64, block_kv=64, stages=2)
+  return BlockSizes(block_q=64, block_kv=64, stages=2, ping_pong=False)
