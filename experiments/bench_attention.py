@@ -179,7 +179,7 @@ def check(names) -> list[dict]:
 VARIANTS = {  # Besides each head dim's default (`default_block_sizes`), timed in the main table.
     "bench_h64": [BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128,
                              ping_pong=False)],
-    "bench_h128": [BlockSizes(block_q=64, block_kv=64, ping_pong=False)],
+    "bench_h128": [BlockSizes(block_q=64, block_kv=64, ping_pong=True)],
 }
 
 
