@@ -103,8 +103,10 @@ class Transformer(nn.Module):
     """
     cfg = self.config
     embed_init, kernel_init, _ = initializers(cfg)
-    embed = nn.Embed(cfg.vocab_size, cfg.d_model, name="embed", embedding_init=embed_init)
-    x = embed(tokens).astype(cfg.dtype)                                   # [B, T, D]
+    # dtype: the tied head (`attend`) multiplies in the compute dtype, like the untied one.
+    embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, name="embed",
+                     embedding_init=embed_init)
+    x = embed(tokens)                                                     # [B, T, D]
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
     mult = layer_multipliers(rope_multipliers, cfg.num_layers, cfg.num_heads)
     for i in range(cfg.num_layers):
