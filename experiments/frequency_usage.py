@@ -2,6 +2,7 @@
 
     python -m experiments.frequency_usage                   # CPU default (language_model cpu)
     python -m experiments.frequency_usage --preset smoke    # seconds, for tests
+    python -m experiments.frequency_usage --preset h200     # GPT-2-124M, Shakespeare (GPU)
     python -m experiments.frequency_usage --preset paper    # GPT-2-124M models (GPU)
 
 Uses the RoPE and PoPE models of `experiments.language_model` in the same --out (trained first if
@@ -24,7 +25,7 @@ from experiments import language_model as lm
 from pope_jax import analysis
 from pope_jax.data import text
 
-MAX_WINDOWS = {"paper": 64, "cpu": 64, "smoke": 2}
+MAX_WINDOWS = {"paper": 64, "h200": 64, "cpu": 64, "smoke": 2}
 
 
 def high_frequency_share(usage: np.ndarray) -> np.ndarray:
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--max-windows", type=int, help="validation windows to average over")
   args = parser.parse_args(argv)
   return run(lm.resolve_preset(args), args.out,
-             max_windows=args.max_windows or MAX_WINDOWS.get(args.preset, 64), resume=args.resume,
+             max_windows=args.max_windows or MAX_WINDOWS[args.preset], resume=args.resume,
              progress=not args.no_progress, data_dir=args.data_dir,
              splits=lm.parse_splits(args.splits))
 

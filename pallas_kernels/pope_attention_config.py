@@ -21,7 +21,8 @@ class BlockSizes:
     block_kv_dkv, block_q_dkv: dk/dv kernel (resident keys, streamed queries).
     stages: SMEM pipeline depth of the streamed operand (>= 2).
     ping_pong: forward only: the two compute warpgroups take turns on the tensor cores, one's
-      softmax overlapping the other's matmuls (FlashAttention-3 §3.1).
+      softmax overlapping the other's matmuls (FlashAttention-3 §3.1). On by default here;
+      `default_block_sizes` turns it off at head dim 128.
   """
   block_q: int = 64
   block_kv: int = 128
@@ -33,6 +34,13 @@ class BlockSizes:
   ping_pong: bool = True
 
   def __post_init__(self):
+    for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",
+                  "block_q_dkv", "stages"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"BlockSizes.{field} must be an int, got {value!r}")
+    if not isinstance(self.ping_pong, bool):
+      raise TypeError(f"BlockSizes.ping_pong must be a bool, got {self.ping_pong!r}")
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",
                   "block_q_dkv"):
       value = getattr(self, field)

@@ -26,27 +26,22 @@
 # that starts them. Inputs are copied to /tmp first: a later sync of the working tree may remove
 # untracked folders the queues still need.
 set -u
-W=${1:?usage: h200_runs.sh OUT JOBS0 [JOBS1]}
-mkdir -p "$W"
 export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache POPE_JAX_CACHE=/tmp/pope_cache
 site() {  # site DIR WHEEL_DIR: install the wheels once into DIR.
   [ -d "$1" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --target "$1" "$2"/*.whl
 }
-[ -d .whl_ii ] && site /tmp/site_ii .whl_ii
-[ -d .whl_kernel ] && site /tmp/site_kernel .whl_kernel
-[ -d .whl_jsb ] && site /tmp/site_jsb .whl_jsb
-[ -d .lm_data ] && rm -rf /tmp/.lm_data && cp -r .lm_data /tmp/.lm_data
-export PYTHONPATH=/tmp/site_ii:/tmp/site_jsb
-
 ii() {
   python3 -m experiments.indirect_indexing --preset paper --attention-implementation xla \
     --data-workers 3 --no-progress "$@"
 }
 job_ii_pope() { ii --encodings pope --seeds 0,1,2 --dtype float32 --out "$W/ii" --resume; }
 job_ii_rope() { ii --encodings rope --seeds 0,1,2 --dtype float32 --out "$W/ii" --resume; }
-job_ii_summary() {
-  for _ in $(seq 240); do [ -f "$W/ii/pope/result.json" ] && break; sleep 5; done
+job_ii_summary() {  # Waits up to an hour for both encodings' runs (in other queues).
+  for _ in $(seq 720); do
+    [ -f "$W/ii/pope/result.json" ] && [ -f "$W/ii/rope/result.json" ] && break
+    sleep 5
+  done
   ii --seeds 0,1,2 --out "$W/ii" --summarize
 }
 job_ii_pope_bf16() {
@@ -72,11 +67,31 @@ queue() {  # queue GPU JOB...: run the jobs one after another on one GPU.
   touch "$W/queue$CUDA_VISIBLE_DEVICES.done"
 }
 
+JOBS=$(compgen -A function job_ | sed "s/^job_//" | tr "\n" " ")
+if [ $# -lt 2 ]; then
+  echo "usage: bash scripts/h200_runs.sh OUT \"JOBS FOR GPU 0\" [\"JOBS FOR GPU 1\" ...]" >&2
+  echo "jobs: $JOBS" >&2
+  exit 2
+fi
+for jobs in "${@:2}"; do
+  for name in $jobs; do
+    declare -F "job_$name" > /dev/null || { echo "unknown job '$name'; jobs: $JOBS" >&2; exit 2; }
+  done
+done
+W=$1
+mkdir -p "$W"
+[ -d .whl_ii ] && site /tmp/site_ii .whl_ii
+[ -d .whl_kernel ] && site /tmp/site_kernel .whl_kernel
+[ -d .whl_jsb ] && site /tmp/site_jsb .whl_jsb
+[ -d .lm_data ] && rm -rf /tmp/.lm_data && cp -r .lm_data /tmp/.lm_data
+export PYTHONPATH=/tmp/site_ii:/tmp/site_jsb
+
 export -f queue ii lm_flags $(compgen -A function job_)
 export W
 gpu=0
 for jobs in "${@:2}"; do
-  setsid bash -c "queue $gpu $jobs" > "$W/queue$gpu.log" 2>&1 < /dev/null &
+  # Job names (checked above) travel as arguments, never through a command string.
+  setsid bash -c 'queue "$@"' _ "$gpu" $jobs > "$W/queue$gpu.log" 2>&1 < /dev/null &
   gpu=$((gpu + 1))
 done
-echo "started $((gpu)) queue(s) in $W"
+echo "started $gpu queue(s) in $W"

@@ -124,3 +124,14 @@ def test_block_sizes_validate():
   with pytest.raises(ValueError, match="stages"):
     BlockSizes(stages=1)
   assert default_block_sizes(64).seq_multiple == 128
+
+
+def test_block_size_defaults_and_types():
+  # Ping-pong forward where it measured faster (H <= 64), the plain schedule at H = 128.
+  assert default_block_sizes(64).ping_pong and not default_block_sizes(128).ping_pong
+  with pytest.raises(TypeError, match="stages"):
+    BlockSizes(stages=2.5)
+  with pytest.raises(TypeError, match="block_q"):
+    BlockSizes(block_q=64.0)
+  with pytest.raises(TypeError, match="ping_pong"):
+    BlockSizes(ping_pong="no")

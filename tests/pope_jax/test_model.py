@@ -136,3 +136,18 @@ def test_xla_attention_implementation_pins_rope_to_the_reference(monkeypatch):
         model.init(jax.random.key(0), tokens)
     else:
       model.init(jax.random.key(0), tokens)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_head_multiplies_in_the_compute_dtype(tie):
+  # bf16 models: params stay float32, every matmul (the tied head's too) runs in bf16, and the
+  # logits come back float32.
+  cfg = dataclasses.replace(CFG, dtype="bfloat16", tie_embeddings=tie)
+  model, params = _init(cfg)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+  jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, TOKENS))(params)
+  dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+  vocab_dots = [e for e in dots if e.outvars[0].aval.shape[-1] == cfg.vocab_size]
+  assert len(vocab_dots) == 1
+  assert all(v.aval.dtype == jnp.bfloat16 for v in vocab_dots[0].invars)
+  assert model.apply({"params": params}, TOKENS).dtype == jnp.float32
