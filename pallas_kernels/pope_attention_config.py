@@ -70,8 +70,8 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
   """Heuristic default for PoPE head dim H (q/k tiles are 2H wide; SMEM and registers bound).
 
   Measured on the H200 (docs/results/attention_kernel.md): at H <= 64 the best of four block
-  shapes, with the ping-pong forward (6 % faster there); at H = 128 the ping-pong forward is 4 %
-  slower, so it is off.
+  shapes, with the ping-pong forward (6 % faster there, across runs); at H = 128 ping-pong made no
+  difference beyond run-to-run noise (-4 % and +0.4 % in two runs), so the plain schedule stays.
   """
   if head_dim <= 64:
     return BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128, stages=2)
