@@ -8,7 +8,8 @@ FLOPs: PoPE forward causal = 6·B·N·S²·H/2 (q'k'ᵀ over 2H plus PV over H);
 counted as 2.5× forward (the usual FlashAttention convention). Ratios are to the best PoPE
 baseline (expansion + cuDNN or + tokamax).
 
-  python -m experiments.bench_attention --out results.json [--check] [--variants] [--train-step]
+  python -m experiments.bench_attention --out results.json [--check] [--variants] [--train-step
+      [--train-batch N] [--train-breakdown]]
 """
 
 from __future__ import annotations
@@ -196,21 +197,25 @@ def variants(iters: int) -> list[dict]:
   return out
 
 
-def train_step_ratio(iters: int, batch: int) -> dict:
-  """GPT-2-124M train step (value_and_grad + AdamW), [batch, 1024] tokens, bf16: PoPE vs RoPE.
+def train_step_ratio(iters: int, batch: int, *, preset: str = "gpt2_124m", seq_len: int = 1024,
+                     breakdown: bool = False) -> dict:
+  """GPT-2-124M train step (value_and_grad + AdamW), [batch, seq_len] tokens, bf16: PoPE vs RoPE.
 
   MFU counts 6·params·tokens plus causal attention (12·L·B·T²·d_model / 2) against the datasheet
-  peak (SPEC_PEAK_TFLOPS); "mfu_of_measured_peak" uses the measured matmul peak instead.
+  peak (SPEC_PEAK_TFLOPS); "mfu_of_measured_peak" uses the measured matmul peak instead. With
+  `breakdown`, also times the forward loss alone ("loss_ms"), the forward and backward
+  ("grad_ms"; the optimizer is step - grad) and, once, the tied head and cross-entropy alone,
+  forward and backward, on random final hidden states ("head_and_loss_ms").
   """
   import optax
   from pope_jax import config as config_lib
   from pope_jax.model import Transformer
   result = {}
-  base = config_lib.MODEL_PRESETS["gpt2_124m"]
+  base = config_lib.MODEL_PRESETS[preset]
   for enc in ("rope", "pope"):
     cfg = dataclasses.replace(base, pos_encoding=enc, dtype="bfloat16")
     model = Transformer(cfg)
-    tokens = jax.random.randint(jax.random.key(0), (batch, 1025), 0, cfg.vocab_size)
+    tokens = jax.random.randint(jax.random.key(0), (batch, seq_len + 1), 0, cfg.vocab_size)
     params = model.init(jax.random.key(1), tokens[:, :-1])["params"]
     opt = optax.adamw(1e-4)
     opt_state = opt.init(params)
@@ -227,16 +232,44 @@ def train_step_ratio(iters: int, batch: int) -> dict:
 
     ms = _time_ms(step, params, opt_state, tokens, iters=iters)
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    flops = 6 * n_params * batch * 1024 + 12 * cfg.num_layers * batch * 1024**2 * cfg.d_model / 2
+    flops = (6 * n_params * batch * seq_len
+             + 12 * cfg.num_layers * batch * seq_len**2 * cfg.d_model / 2)
     result[enc] = {"ms": ms, "mfu": flops / (ms * 1e-3) / (SPEC_PEAK_TFLOPS * 1e12),
                    "mfu_of_measured_peak": flops / (ms * 1e-3) / (PEAK_TFLOPS * 1e12),
                    "batch": batch,
-                   "tokens_per_second": batch * 1024 / (ms * 1e-3)}
-    print(f"train step gpt2_124m {enc} batch {batch}: {ms:.2f} ms, MFU {result[enc]['mfu']:.3f} "
+                   "tokens_per_second": batch * seq_len / (ms * 1e-3)}
+    print(f"train step {preset} {enc} batch {batch}: {ms:.2f} ms, MFU {result[enc]['mfu']:.3f} "
           f"(of {SPEC_PEAK_TFLOPS} TFLOP/s)", flush=True)
+    if breakdown:
+      result[enc]["loss_ms"] = _time_ms(jax.jit(loss_fn), params, tokens, iters=iters)
+      result[enc]["grad_ms"] = _time_ms(jax.jit(jax.value_and_grad(loss_fn)), params, tokens,
+                                        iters=iters)
+      print(f"  {enc}: forward loss {result[enc]['loss_ms']:.2f} ms, forward+backward "
+            f"{result[enc]['grad_ms']:.2f} ms, optimizer {ms - result[enc]['grad_ms']:.2f} ms",
+            flush=True)
   result["pope_over_rope"] = result["pope"]["ms"] / result["rope"]["ms"]
   print(f"PoPE/RoPE train-step time ratio: {result['pope_over_rope']:.3f}")
+  if breakdown:
+    result["head_and_loss_ms"] = _head_and_loss_ms(base, batch, seq_len, iters)
+    print(f"tied head + cross-entropy alone, forward+backward: {result['head_and_loss_ms']:.2f} ms")
   return result
+
+
+def _head_and_loss_ms(cfg, batch: int, seq_len: int, iters: int) -> float:
+  """Forward+backward time of the bf16 tied head and the float32 cross-entropy on random
+  final hidden states [batch, seq_len, d_model] (the model's last step, isolated)."""
+  import optax
+  keys = jax.random.split(jax.random.key(3), 3)
+  hidden = jax.random.normal(keys[0], (batch, seq_len, cfg.d_model), jnp.bfloat16)
+  table = 0.02 * jax.random.normal(keys[1], (cfg.vocab_size, cfg.d_model), jnp.float32)
+  labels = jax.random.randint(keys[2], (batch, seq_len), 0, cfg.vocab_size)
+
+  def loss(hidden, table):
+    logits = jnp.einsum("btd,vd->btv", hidden, table.astype(jnp.bfloat16)).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  return _time_ms(grad, hidden, table, iters=iters)
 
 
 def main():
@@ -247,6 +280,8 @@ def main():
   parser.add_argument("--variants", action="store_true", help="time block-size variants")
   parser.add_argument("--train-step", action="store_true", help="GPT-2-124M PoPE/RoPE step")
   parser.add_argument("--train-batch", type=int, default=16, help="--train-step batch size")
+  parser.add_argument("--train-breakdown", action="store_true",
+                      help="--train-step also times forward, backward, optimizer, head + loss")
   parser.add_argument("--skip-bench", action="store_true")
   args = parser.parse_args()
   try:
@@ -266,7 +301,8 @@ def main():
   if args.variants:
     results["variants"] = variants(args.iters)
   if args.train_step:
-    results["train_step"] = train_step_ratio(args.iters, args.train_batch)
+    results["train_step"] = train_step_ratio(args.iters, args.train_batch,
+                                             breakdown=args.train_breakdown)
   with open(args.out, "w") as f:
     json.dump(results, f, indent=1, default=str)
 

@@ -1,0 +1,17 @@
+"""The attention benchmark's train-step measurement, on CPU with a small model (structure only:
+timings on CPU mean nothing)."""
+
+import math
+
+from experiments import bench_attention
+
+
+def test_train_step_breakdown_reports_every_part():
+  result = bench_attention.train_step_ratio(1, 1, preset="jsb", seq_len=16, breakdown=True)
+  for enc in ("rope", "pope"):
+    row = result[enc]
+    for key in ("ms", "loss_ms", "grad_ms", "mfu", "tokens_per_second"):
+      assert math.isfinite(row[key]) and row[key] > 0, (enc, key)
+    assert row["batch"] == 1
+  assert math.isclose(result["pope_over_rope"], result["pope"]["ms"] / result["rope"]["ms"])
+  assert result["head_and_loss_ms"] > 0
