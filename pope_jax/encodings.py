@@ -198,8 +198,14 @@ def apply_rope(
 
 
 def clamp_phase_bias(delta: Array) -> Array:
-  """Clamps the PoPE phase bias δ to [-2π, 0] (PoPE §3; gradient is zero outside the range)."""
-  return jnp.clip(delta, -TWO_PI, 0.0)
+  """Clamps the PoPE phase bias δ to [-2π, 0] (PoPE §3).
+
+  The gradient is one inside the closed range, bounds included, and zero outside it (as
+  `torch.clamp`); `jnp.clip` alone would halve it at the bounds, where `delta_init="zeros"`
+  starts every δ.
+  """
+  inside = (delta >= -TWO_PI) & (delta <= 0.0)
+  return jnp.where(inside, delta, jnp.clip(delta, -TWO_PI, 0.0))
 
 
 def init_phase_bias(key: Array, shape: tuple[int, ...], init: str = "uniform") -> Array:

@@ -63,6 +63,11 @@ def test_phase_bias_init_and_clamp():
   assert not np.any(encodings.init_phase_bias(jax.random.key(0), (4, 8), "zeros"))
   np.testing.assert_allclose(encodings.clamp_phase_bias(jnp.array([-10.0, -1.0, 3.0])),
                              [-2 * math.pi, -1.0, 0.0], rtol=1e-6)
+  # Full gradient inside the closed range (bounds included, where zeros-init δ starts), none
+  # outside it.
+  points = jnp.array([0.0, -2 * math.pi, -1.0, 0.5, -7.0], jnp.float32)
+  grad = jax.grad(lambda d: encodings.clamp_phase_bias(d).sum())(points)
+  np.testing.assert_array_equal(grad, [1.0, 1.0, 1.0, 0.0, 0.0])
 
 
 @pytest.mark.parametrize("call, match", [
