@@ -49,9 +49,11 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
   n_ctas = t_len // (st.COMPUTE_WGS * bq)
   dtype = a.dtype
 
-  # With the handshake, the CPU interpreter hangs intermittently on one test under jit (3 of 4
-  # tries; no thread raised; cause not found), so interpreted runs (tests) keep the plain
-  # schedule. The GPU check of experiments.bench_attention covers the ping-pong one.
+  # The CPU interpreter runs each warpgroup as its own XLA:CPU execution, and on a 2-core machine
+  # not all of them start at once; the handshake needs both compute warpgroups running together,
+  # so there it can hang (seen intermittently under jit: warpgroup 0 waiting in the handshake, the
+  # TMA warpgroup waiting for releases, warpgroup 1 not started). Interpreted runs (tests) keep the
+  # plain schedule; the GPU check of experiments.bench_attention covers the ping-pong one.
   ping_pong = blocks.ping_pong and not st.interpreted()
 
   def kernel(a_ref, b_ref, v_ref, qpos_ref, kpos_ref, tab_ref, o_ref, lse_ref,
