@@ -199,7 +199,8 @@ def variants(iters: int) -> list[dict]:
 
 def train_step_ratio(iters: int, batch: int, *, preset: str = "gpt2_124m", seq_len: int = 1024,
                      breakdown: bool = False) -> dict:
-  """GPT-2-124M train step (value_and_grad + AdamW), [batch, seq_len] tokens, bf16: PoPE vs RoPE.
+  """Train step of a model preset (default GPT-2-124M; value_and_grad + AdamW), [batch, seq_len]
+  tokens, bf16: PoPE vs RoPE.
 
   MFU counts 6·params·tokens plus causal attention (12·L·B·T²·d_model / 2) against the datasheet
   peak (SPEC_PEAK_TFLOPS); "mfu_of_measured_peak" uses the measured matmul peak instead. With
@@ -221,8 +222,7 @@ def train_step_ratio(iters: int, batch: int, *, preset: str = "gpt2_124m", seq_l
     opt_state = opt.init(params)
 
     def loss_fn(p, tokens):
-      logits = model.apply({"params": p}, tokens[:, :-1]).astype(jnp.float32)
-      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+      return _next_token_loss(model.apply({"params": p}, tokens[:, :-1]), tokens[:, 1:])
 
     @jax.jit
     def step(p, s, tokens):
@@ -255,21 +255,28 @@ def train_step_ratio(iters: int, batch: int, *, preset: str = "gpt2_124m", seq_l
   return result
 
 
-def _head_and_loss_ms(cfg, batch: int, seq_len: int, iters: int) -> float:
-  """Forward+backward time of the bf16 tied head and the float32 cross-entropy on random
-  final hidden states [batch, seq_len, d_model] (the model's last step, isolated)."""
+def _next_token_loss(logits, labels):
+  """Mean cross-entropy of float32 logits [B, T, V] against int labels [B, T]."""
   import optax
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
+                                                         labels).mean()
+
+
+def _head_and_loss_ms(cfg, batch: int, seq_len: int, iters: int) -> float:
+  """Forward+backward time of the model's tied head (`nn.Embed.attend` in bf16) and the float32
+  cross-entropy on random final hidden states [batch, seq_len, d_model], isolated."""
+  from flax import linen as nn
   keys = jax.random.split(jax.random.key(3), 3)
+  head = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=jnp.bfloat16)
   hidden = jax.random.normal(keys[0], (batch, seq_len, cfg.d_model), jnp.bfloat16)
-  table = 0.02 * jax.random.normal(keys[1], (cfg.vocab_size, cfg.d_model), jnp.float32)
+  params = head.init(keys[1], jnp.zeros((1,), jnp.int32))
   labels = jax.random.randint(keys[2], (batch, seq_len), 0, cfg.vocab_size)
 
-  def loss(hidden, table):
-    logits = jnp.einsum("btd,vd->btv", hidden, table.astype(jnp.bfloat16)).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+  def loss(hidden, params):
+    return _next_token_loss(head.apply(params, hidden, method=nn.Embed.attend), labels)
 
   grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-  return _time_ms(grad, hidden, table, iters=iters)
+  return _time_ms(grad, hidden, params, iters=iters)
 
 
 def main():
