@@ -2,7 +2,8 @@
 
 Eight variants of the cpu preset (task length and shift range, shift 0 allowed or not, 2-4
 layers, learning rate), each trained 8 000 steps with seeds 0 and 1 vmapped; recorded in
-docs/results/indirect_indexing.md. One process per (config, encoding):
+docs/results/indirect_indexing.md. One process per (config, encoding); a tqdm bar per run, and
+OUT/CONFIG/ENCODING/{metrics.jsonl,result.json} as `experiments.indirect_indexing` writes them:
 
   python scripts/ii_small_config_sweep.py CONFIG ENCODING OUT    # SWEEP_STEPS overrides 8000
 """
@@ -50,5 +51,5 @@ if __name__ == "__main__":  # Guarded: grain's worker processes re-import this m
                      f"CONFIG: {', '.join(CONFIGS)}; ENCODING: {', '.join(ii.ENCODINGS)}")
   name, encoding, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
   runs = ii.run_encoding(CONFIGS[name], encoding, [0, 1], out / name, resume=False,
-                         progress=False)
+                         progress=True)
   print(name, encoding, json.dumps([{k: r[k] for k in r if "accuracy" in k} for r in runs]))
