@@ -91,6 +91,16 @@ def test_explicit_positions_and_empty_rows():
   _assert_close(got, want)
 
 
+def test_float16_inputs():
+  q, k, v, delta, cot = _problem((1, 2, 1, 64), 70, 90, seed=5)
+  q, k, v = (x.astype(jnp.float16) for x in (q, k, v))
+  with plgpu.force_gpu_interpret_mode():
+    got = _value_and_grads("pallas", q, k, v, delta, cot, is_causal=True)
+  want = _value_and_grads("xla", q, k, v, delta, cot, is_causal=True)
+  assert got[0].dtype == jnp.float16
+  _assert_close(got, want)
+
+
 def test_visit_table_skips_only_invisible_blocks():
   q_pos = jnp.arange(256, dtype=jnp.float32)[None] + 128  # bottom-right aligned, T=256, S=384
   k_pos = jnp.arange(384, dtype=jnp.float32)[None]
