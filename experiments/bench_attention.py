@@ -2,20 +2,25 @@
 
 Rows per head dim (B=4, N=16, S=4096, bf16, causal): the XLA reference (materialised scores);
 PoPE expansion to 2H-wide Cartesian q', k' + cuDNN (`jax.nn.dot_product_attention`, v zero-padded
-to 2H); expansion + tokamax Mosaic GPU attention (when tokamax imports); our fused kernel
-(`pope_attention(..., implementation="pallas")`); plain RoPE attention with cuDNN for scale.
-FLOPs: PoPE forward causal = 6·B·N·S²·H/2 (q'k'ᵀ over 2H plus PV over H); forward+backward is
-counted as 2.5× forward (the usual FlashAttention convention). Ratios are to the best PoPE
-baseline (expansion + cuDNN or + tokamax).
+to 2H); expansion + tokamax Mosaic GPU attention (when tokamax imports); both again with the
+issue's concatenated expansion ("concat expand", softplus materialised first) next to this
+library's one-pass `encodings.pope_cartesian`; our fused kernel (`pope_attention(...,
+implementation="pallas")`); plain RoPE attention with cuDNN for scale. FLOPs: PoPE forward causal
+= 6·B·N·S²·H/2 (q'k'ᵀ over 2H plus PV over H); forward+backward is counted as 2.5× forward (the
+usual FlashAttention convention). Ratios are to the fastest PoPE baseline row.
 
-  python -m experiments.bench_attention --out results.json [--check] [--variants] [--train-step
-      [--train-batch N] [--train-breakdown]]
+  python -m experiments.bench_attention --out results.json [--check] [--variants] [--profile]
+      [--train-step [--train-batch N] [--logits-dtype compute] [--train-breakdown]]
+
+--profile adds device time per op (`experiments.profile_ops`) of the PoPE fwd+bwd paths at head
+dim 64 and, with --train-step, of both train steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -28,6 +33,7 @@ import numpy as np
 from pallas_kernels import pope_attention as kernel
 from pallas_kernels.pope_attention_config import BlockSizes
 from pallas_kernels.shapes import SHAPES, AttentionShape
+from experiments import profile_ops
 from pope_jax import attention, encodings
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense matmul peak on the H200 (issue text)
@@ -56,29 +62,47 @@ def _inputs(shape: AttentionShape, dtype=jnp.bfloat16, seed: int = 0):
   return q, k, v, delta
 
 
-def _expand(q, k, delta, base=10000.0):
+def _concat_cartesian(x, positions, base, phase=None):
+  """The issue's expansion: softplus, then [μ cos φ, μ sin φ] joined by a concatenation (XLA
+  writes μ in float32 before the concatenation; `encodings.pope_cartesian` is one pass)."""
+  ang = encodings.angles(positions, encodings.pope_frequencies(x.shape[-1], base))
+  ang = ang if phase is None else ang + phase
+  mag = encodings.pope_magnitudes(x)
+  return jnp.concatenate([mag * jnp.cos(ang), mag * jnp.sin(ang)], axis=-1)
+
+
+def _expand(q, k, delta, base=10000.0, cartesian=encodings.pope_cartesian):
   """Cartesian PoPE q', k' (δ on the query side, as the reference), 2H wide, input dtype."""
   t_len, s_len = q.shape[1], k.shape[1]
   q_pos, k_pos = attention.default_positions(t_len, s_len)
-  qe = encodings.pope_cartesian(q, q_pos, base=base, phase=-encodings.clamp_phase_bias(delta))
-  ke = encodings.pope_cartesian(k, k_pos, base=base)
+  qe = cartesian(q, q_pos, base=base, phase=-encodings.clamp_phase_bias(delta))
+  ke = cartesian(k, k_pos, base=base)
   return qe.astype(q.dtype), ke.astype(k.dtype)
 
 
-def _pope_cudnn(q, k, v, delta):
+def _pope_cudnn(q, k, v, delta, cartesian=encodings.pope_cartesian):
   h = q.shape[-1]
-  qe, ke = _expand(q, k, delta)
+  qe, ke = _expand(q, k, delta, cartesian=cartesian)
   vp = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, 2 * h - v.shape[-1])))
   out = jax.nn.dot_product_attention(qe, ke, vp, scale=1 / math.sqrt(h), is_causal=True,
                                      implementation="cudnn")
   return out[..., :v.shape[-1]]
 
 
-def _pope_tokamax(q, k, v, delta):
+def _pope_tokamax(q, k, v, delta, cartesian=encodings.pope_cartesian):
   import tokamax  # Only on machines where it is installed.
-  qe, ke = _expand(q, k, delta)
+  qe, ke = _expand(q, k, delta, cartesian=cartesian)
   return tokamax.dot_product_attention(qe, ke, v, scale=1 / math.sqrt(q.shape[-1]),
                                        is_causal=True, implementation="mosaic")
+
+
+BASELINES = {  # name: (function, needs tokamax); every row's /best is to the fastest of these.
+    "expand + cuDNN": (_pope_cudnn, False),
+    "expand + tokamax mosaic": (_pope_tokamax, True),
+    "concat expand + cuDNN": (functools.partial(_pope_cudnn, cartesian=_concat_cartesian), False),
+    "concat expand + tokamax": (functools.partial(_pope_tokamax, cartesian=_concat_cartesian),
+                                True),
+}
 
 
 def _pope_xla(q, k, v, delta):
@@ -123,13 +147,12 @@ def bench_head_dim(shape_name: str, iters: int, with_tokamax: bool) -> dict:
   shape = SHAPES[shape_name]
   args = _inputs(shape)
   flops = shape.forward_flops()
-  rows = [_measure("xla reference", _pope_xla, args, flops, iters),
-          _measure("expand + cuDNN", _pope_cudnn, args, flops, iters)]
-  if with_tokamax:
-    rows.append(_measure("expand + tokamax mosaic", _pope_tokamax, args, flops, iters))
+  rows = [_measure("xla reference", _pope_xla, args, flops, iters)]
+  rows += [_measure(name, fn, args, flops, iters) for name, (fn, tk) in BASELINES.items()
+           if with_tokamax or not tk]
   rows.append(_measure("fused PoPE (ours)", _pope_pallas, args, flops, iters))
   rows.append(_measure("RoPE cuDNN (scale)", _rope_cudnn, args, flops, iters))
-  baselines = [r for r in rows if r["name"].startswith("expand") and "error" not in r]
+  baselines = [r for r in rows if r["name"] in BASELINES and "error" not in r]
   best = {key: min((r[key] for r in baselines), default=float("nan"))
           for key in ("fwd_ms", "fwd_bwd_ms")}
   print(f"\n== {shape_name}: {shape} | FLOPs fwd {flops:.3e} (fwd+bwd 2.5x) | peak "
@@ -197,10 +220,30 @@ def variants(iters: int) -> list[dict]:
   return out
 
 
+def profile_attention(shape_name: str, with_tokamax: bool) -> dict:
+  """Device time per op of PoPE forward+backward: our kernel and the expansion baselines."""
+  args = _inputs(SHAPES[shape_name])
+  paths = {"fused PoPE (ours)": _pope_pallas, "expand + cuDNN": _pope_cudnn}
+  if with_tokamax:
+    paths["expand + tokamax mosaic"] = _pope_tokamax
+  out = {}
+  for name, fn in paths.items():
+    for mode, jitted in (("fwd", jax.jit(fn)), ("fwd+bwd", _fwd_bwd(fn))):
+      title = f"{shape_name} {name} {mode}"
+      try:
+        rows = profile_ops.op_times(jitted, *args)
+        out[title] = {"summary": profile_ops.summarize(rows, title), "ops": rows[:40]}
+      except Exception as e:  # Reported, never hidden.
+        out[title] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        traceback.print_exc()
+  return out
+
+
 def train_step_ratio(iters: int, batch: int, *, preset: str = "gpt2_124m", seq_len: int = 1024,
-                     breakdown: bool = False) -> dict:
+                     breakdown: bool = False, profile: bool = False,
+                     logits_dtype: str = "float32") -> dict:
   """Train step of a model preset (default GPT-2-124M; value_and_grad + AdamW), [batch, seq_len]
-  tokens, bf16: PoPE vs RoPE.
+  tokens, bf16 (logits in `logits_dtype`, see `ModelConfig`): PoPE vs RoPE.
 
   MFU counts 6·params·tokens plus causal attention (12·L·B·T²·d_model / 2) against the datasheet
   peak (SPEC_PEAK_TFLOPS); "mfu_of_measured_peak" uses the measured matmul peak instead. With
@@ -214,7 +257,7 @@ def train_step_ratio(iters: int, batch: int, *, preset: str = "gpt2_124m", seq_l
   result = {}
   base = config_lib.MODEL_PRESETS[preset]
   for enc in ("rope", "pope"):
-    cfg = dataclasses.replace(base, pos_encoding=enc, dtype="bfloat16")
+    cfg = dataclasses.replace(base, pos_encoding=enc, dtype="bfloat16", logits_dtype=logits_dtype)
     model = Transformer(cfg)
     tokens = jax.random.randint(jax.random.key(0), (batch, seq_len + 1), 0, cfg.vocab_size)
     params = model.init(jax.random.key(1), tokens[:, :-1])["params"]
@@ -238,7 +281,8 @@ def train_step_ratio(iters: int, batch: int, *, preset: str = "gpt2_124m", seq_l
                    "mfu_of_measured_peak": flops / (ms * 1e-3) / (PEAK_TFLOPS * 1e12),
                    "batch": batch,
                    "tokens_per_second": batch * seq_len / (ms * 1e-3)}
-    print(f"train step {preset} {enc} batch {batch}: {ms:.2f} ms, MFU {result[enc]['mfu']:.3f} "
+    result[enc]["logits_dtype"] = logits_dtype
+    print(f"train step {preset} {enc} batch {batch} logits {logits_dtype}: {ms:.2f} ms, MFU {result[enc]['mfu']:.3f} "
           f"(of {SPEC_PEAK_TFLOPS} TFLOP/s)", flush=True)
     if breakdown:
       result[enc]["loss_ms"] = _time_ms(jax.jit(loss_fn), params, tokens, iters=iters)
@@ -247,6 +291,12 @@ def train_step_ratio(iters: int, batch: int, *, preset: str = "gpt2_124m", seq_l
       print(f"  {enc}: forward loss {result[enc]['loss_ms']:.2f} ms, forward+backward "
             f"{result[enc]['grad_ms']:.2f} ms, optimizer {ms - result[enc]['grad_ms']:.2f} ms",
             flush=True)
+    if profile:
+      rows = profile_ops.op_times(step, params, opt_state, tokens, iters=3)
+      result[enc]["profile"] = {
+          "summary": profile_ops.summarize(rows, f"{preset} {enc} train step, batch {batch}",
+                                           top=25),
+          "ops": rows[:60]}
   result["pope_over_rope"] = result["pope"]["ms"] / result["rope"]["ms"]
   print(f"PoPE/RoPE train-step time ratio: {result['pope_over_rope']:.3f}")
   if breakdown:
@@ -256,10 +306,9 @@ def train_step_ratio(iters: int, batch: int, *, preset: str = "gpt2_124m", seq_l
 
 
 def _next_token_loss(logits, labels):
-  """Mean cross-entropy of float32 logits [B, T, V] against int labels [B, T]."""
-  import optax
-  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32),
-                                                         labels).mean()
+  """Mean cross-entropy (the training loop's) of logits [B, T, V] against int labels [B, T]."""
+  from pope_jax.train import cross_entropy_with_integer_labels
+  return cross_entropy_with_integer_labels(logits, labels).mean()
 
 
 def _head_and_loss_ms(cfg, batch: int, seq_len: int, iters: int) -> float:
@@ -287,8 +336,12 @@ def main():
   parser.add_argument("--variants", action="store_true", help="time block-size variants")
   parser.add_argument("--train-step", action="store_true", help="GPT-2-124M PoPE/RoPE step")
   parser.add_argument("--train-batch", type=int, default=16, help="--train-step batch size")
+  parser.add_argument("--logits-dtype", default="float32", choices=("float32", "compute"),
+                      help="--train-step: ModelConfig.logits_dtype")
   parser.add_argument("--train-breakdown", action="store_true",
                       help="--train-step also times forward, backward, optimizer, head + loss")
+  parser.add_argument("--profile", action="store_true",
+                      help="device time per op of the H64 attention paths and the train steps")
   parser.add_argument("--skip-bench", action="store_true")
   args = parser.parse_args()
   try:
@@ -307,9 +360,12 @@ def main():
                         for n in ("bench_h64", "bench_h128")}
   if args.variants:
     results["variants"] = variants(args.iters)
+  if args.profile:
+    results["profile"] = profile_attention("bench_h64", with_tokamax)
   if args.train_step:
     results["train_step"] = train_step_ratio(args.iters, args.train_batch,
-                                             breakdown=args.train_breakdown)
+                                             breakdown=args.train_breakdown, profile=args.profile,
+                                             logits_dtype=args.logits_dtype)
   with open(args.out, "w") as f:
     json.dump(results, f, indent=1, default=str)
 

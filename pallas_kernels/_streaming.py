@@ -137,6 +137,13 @@ def schedule_barrier(barrier) -> None:
   plgpu.barrier_wait(barrier)
 
 
+def longest_first(tile, n_tiles: int):
+  """Visits resident query tiles last-first. Under a causal mask the last tiles see the most
+  keys, so the longest CTAs start first and short ones fill the tail of the launch
+  (longest-processing-time-first order)."""
+  return n_tiles - 1 - tile
+
+
 def slot_of(s, u_lo, stages: int):
   return lax.rem(s - u_lo, stages)
 

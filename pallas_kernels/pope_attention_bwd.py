@@ -46,7 +46,8 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
              dq_ref, a_smem, do_smem, lse_smem, delta_smem, qpos_smem, b_smem, v_smem,
              kpos_smem, res_bar, b_bar, v_bar, kpos_bar, consumed):
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-    cta, wg = lax.axis_index("q_tiles"), lax.axis_index("wg")
+    cta = st.longest_first(lax.axis_index("q_tiles"), t_len // (st.COMPUTE_WGS * bq))
+    wg = lax.axis_index("wg")
 
     @pl.when(wg < st.COMPUTE_WGS)
     def _compute():
@@ -156,6 +157,7 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: 
              delta_smem, qpos_smem, res_bar, a_bar, do_bar, lse_bar, delta_bar, qpos_bar,
              consumed):
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+    # Key tile 0 sees the most queries under a causal mask: the natural order is longest-first.
     cta, wg = lax.axis_index("k_tiles"), lax.axis_index("wg")
     kv_head = lax.div(head, jnp.int32(group))
 

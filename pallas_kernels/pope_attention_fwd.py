@@ -61,7 +61,7 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
              a_bar, qpos_bar, b_bar, v_bar, kpos_bar, consumed, schedule):
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
-    cta = lax.axis_index("q_tiles")
+    cta = st.longest_first(lax.axis_index("q_tiles"), n_ctas)
     wg = lax.axis_index("wg")
     handshake = (lambda: st.schedule_barrier(schedule)) if ping_pong else None
 

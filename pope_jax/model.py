@@ -99,7 +99,7 @@ class Transformer(nn.Module):
       deterministic: disables dropout; pass False with a "dropout" rng to train.
 
     Returns:
-      [B, T, V] float32 logits.
+      [B, T, V] logits, float32 (or the compute dtype with `logits_dtype="compute"`).
     """
     cfg = self.config
     embed_init, kernel_init, _ = initializers(cfg)
@@ -119,4 +119,4 @@ class Transformer(nn.Module):
     else:
       logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, name="head",
                         kernel_init=kernel_init)(x)
-    return logits.astype(jnp.float32)
+    return logits if cfg.logits_dtype == "compute" else logits.astype(jnp.float32)

@@ -7,7 +7,8 @@ from experiments import bench_attention
 
 
 def test_train_step_breakdown_reports_every_part():
-  result = bench_attention.train_step_ratio(1, 1, preset="jsb", seq_len=16, breakdown=True)
+  result = bench_attention.train_step_ratio(1, 1, preset="jsb", seq_len=16, breakdown=True,
+                                            profile=True)
   for enc in ("rope", "pope"):
     row = result[enc]
     for key in ("ms", "loss_ms", "grad_ms", "mfu", "tokens_per_second"):
@@ -15,3 +16,5 @@ def test_train_step_breakdown_reports_every_part():
     assert row["batch"] == 1
   assert math.isclose(result["pope_over_rope"], result["pope"]["ms"] / result["rope"]["ms"])
   assert result["head_and_loss_ms"] > 0
+  for enc in ("rope", "pope"):
+    assert result[enc]["profile"]["summary"]["total_ms"] > 0, enc

@@ -10,11 +10,15 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from pope_jax import ModelConfig, TrainConfig
 from pope_jax.data import indirect_indexing as task
+from pope_jax import config
+from pope_jax import model as model_lib
 from pope_jax import train as train_lib
 from pope_jax.train import train_and_evaluate
 
@@ -304,3 +308,48 @@ def test_metrics_log_is_rewritten_atomically_then_appended(tmp_path):
     f.write(json.dumps({"step": 3}) + "\n")
   assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == [1, 2, 3]
   assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cross_entropy_matches_optax_in_value_and_gradient(dtype):
+  keys = jax.random.split(jax.random.key(0), 3)
+  logits = (4 * jax.random.normal(keys[0], (3, 5, 37))).astype(dtype)
+  labels = jax.random.randint(keys[1], (3, 5), 0, 37)
+  weights = jax.random.uniform(keys[2], (3, 5))
+
+  def ours(x):
+    return (train_lib.cross_entropy_with_integer_labels(x, labels) * weights).sum()
+
+  def reference(x):
+    nll = optax.softmax_cross_entropy_with_integer_labels(x.astype(jnp.float32), labels)
+    return (nll * weights).sum()
+
+  assert train_lib.cross_entropy_with_integer_labels(logits, labels).dtype == jnp.float32
+  np.testing.assert_allclose(ours(logits), reference(logits), rtol=1e-6)
+  g, g_ref = jax.grad(ours)(logits), jax.grad(reference)(logits)
+  assert g.dtype == dtype
+  tol = 1e-6 if dtype == jnp.float32 else 1e-2
+  np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g_ref, np.float32), atol=tol)
+
+
+def test_compute_dtype_logits_train_like_float32_logits():
+  cfg = config.ModelConfig(vocab_size=11, num_layers=1, d_model=16, num_heads=2, dtype="bfloat16")
+  tokens = jax.random.randint(jax.random.key(0), (2, 6), 0, 11)
+  batch = {"targets": tokens, "weights": jnp.ones(tokens.shape)}
+  params = model_lib.Transformer(cfg).init(jax.random.key(1), tokens)["params"]
+
+  def loss(p, logits_dtype):
+    m = model_lib.Transformer(dataclasses.replace(cfg, logits_dtype=logits_dtype))
+    logits = m.apply({"params": p}, tokens)
+    assert logits.dtype == (jnp.float32 if logits_dtype == "float32" else jnp.bfloat16)
+    return train_lib.weighted_metrics(logits, batch)["nll_sum"]
+
+  (l32, g32), (l16, g16) = (jax.value_and_grad(loss)(params, d) for d in ("float32", "compute"))
+  np.testing.assert_allclose(l16, l32, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g16), jax.tree.leaves(g32)):
+    np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-3)
+
+
+def test_bad_logits_dtype_is_named():
+  with pytest.raises(ValueError, match="logits_dtype"):
+    config.ModelConfig(vocab_size=11, num_layers=1, d_model=16, num_heads=2, logits_dtype="bf16")
