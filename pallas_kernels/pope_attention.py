@@ -127,13 +127,14 @@ def _prepare(q, k, v, delta, q_positions, k_positions, *, base, is_causal, scale
   """Cartesian q', k' (scale·log2 e folded into q'), padded operands, positions and tables."""
   bsz, t_len, n_heads, h = q.shape
   s_len, vd = k.shape[1], v.shape[-1]
+  # The reference's Cartesian map (δ on the query side as -δ), scale·log2(e) folded into q'.
+  # Positions keep their [T] / [B, T] shape here: angles broadcast over the batch are cheaper.
+  phase = None if delta is None else -encodings.clamp_phase_bias(delta.astype(jnp.float32))
+  a = (encodings.pope_cartesian(q, q_positions, base=base, phase=phase) * (scale * _LOG2E)
+       ).astype(q.dtype)
+  b = encodings.pope_cartesian(k, k_positions, base=base).astype(q.dtype)
   q_pos = jnp.broadcast_to(jnp.asarray(q_positions), (bsz, t_len))
   k_pos = jnp.broadcast_to(jnp.asarray(k_positions), (bsz, s_len))
-  # The reference's Cartesian map (δ on the query side as -δ), scale·log2(e) folded into q'.
-  phase = None if delta is None else -encodings.clamp_phase_bias(delta.astype(jnp.float32))
-  a = (encodings.pope_cartesian(q, q_pos, base=base, phase=phase) * (scale * _LOG2E)
-       ).astype(q.dtype)
-  b = encodings.pope_cartesian(k, k_pos, base=base).astype(q.dtype)
 
   mult = blocks.seq_multiple
   t_pad, s_pad = -(-t_len // mult) * mult, -(-s_len // mult) * mult
