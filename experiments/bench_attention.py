@@ -245,8 +245,12 @@ def train_step_ratio(iters: int, batch: int, *, preset: str = "gpt2_124m", seq_l
   """Train step of a model preset (default GPT-2-124M; value_and_grad + AdamW), [batch, seq_len]
   tokens, bf16 (logits in `logits_dtype`, see `ModelConfig`): PoPE vs RoPE.
 
-  MFU counts 6·params·tokens plus causal attention (12·L·B·T²·d_model / 2) against the datasheet
-  peak (SPEC_PEAK_TFLOPS); "mfu_of_measured_peak" uses the measured matmul peak instead. With
+  MFU counts 6·params·tokens plus causal attention (12·L·B·T²·d_model / 2: only the unmasked
+  half) against the datasheet peak (SPEC_PEAK_TFLOPS); "mfu_palm" uses the PaLM convention
+  (Chowdhery et al. 2022, App. B; nanoGPT's `estimate_mfu`): 6·params + 12·L·d_model·T per
+  token, the full attention matrix. Both count RoPE's attention width for PoPE too (PoPE's q'k'
+  are 2H wide), so the MFU ratio is the inverse time ratio. "mfu_of_measured_peak" uses the
+  measured matmul peak instead of the datasheet's. With
   `breakdown`, also times the forward loss alone ("loss_ms"), the forward and backward
   ("grad_ms"; the optimizer is step - grad) and, once, the tied head and cross-entropy alone,
   forward and backward, on random final hidden states ("head_and_loss_ms").
@@ -275,15 +279,18 @@ def train_step_ratio(iters: int, batch: int, *, preset: str = "gpt2_124m", seq_l
 
     ms = _time_ms(step, params, opt_state, tokens, iters=iters)
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    flops = (6 * n_params * batch * seq_len
-             + 12 * cfg.num_layers * batch * seq_len**2 * cfg.d_model / 2)
+    attention_flops = 12 * cfg.num_layers * batch * seq_len**2 * cfg.d_model
+    flops = 6 * n_params * batch * seq_len + attention_flops / 2
+    flops_palm = 6 * n_params * batch * seq_len + attention_flops
     result[enc] = {"ms": ms, "mfu": flops / (ms * 1e-3) / (SPEC_PEAK_TFLOPS * 1e12),
+                   "mfu_palm": flops_palm / (ms * 1e-3) / (SPEC_PEAK_TFLOPS * 1e12),
                    "mfu_of_measured_peak": flops / (ms * 1e-3) / (PEAK_TFLOPS * 1e12),
                    "batch": batch,
                    "tokens_per_second": batch * seq_len / (ms * 1e-3)}
     result[enc]["logits_dtype"] = logits_dtype
-    print(f"train step {preset} {enc} batch {batch} logits {logits_dtype}: {ms:.2f} ms, MFU {result[enc]['mfu']:.3f} "
-          f"(of {SPEC_PEAK_TFLOPS} TFLOP/s)", flush=True)
+    print(f"train step {preset} {enc} batch {batch} logits {logits_dtype}: {ms:.2f} ms, MFU "
+          f"{result[enc]['mfu']:.3f} (PaLM convention {result[enc]['mfu_palm']:.3f}) of "
+          f"{SPEC_PEAK_TFLOPS} TFLOP/s", flush=True)
     if breakdown:
       result[enc]["loss_ms"] = _time_ms(jax.jit(loss_fn), params, tokens, iters=iters)
       result[enc]["grad_ms"] = _time_ms(jax.jit(jax.value_and_grad(loss_fn)), params, tokens,

@@ -148,6 +148,11 @@ def slot_of(s, u_lo, stages: int):
   return lax.rem(s - u_lo, stages)
 
 
+def compiler_params() -> plgpu.CompilerParams:
+  """Mosaic GPU compiler settings of every kernel here (approximate exp2/log on the GPU)."""
+  return plgpu.CompilerParams(approx_math=True)
+
+
 def interpreted() -> bool:
   return jax.default_backend() != "gpu"
 

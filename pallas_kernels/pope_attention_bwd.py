@@ -131,7 +131,7 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
       grid_names=("heads", "q_tiles", "batch"),
       num_threads=wgs + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=st.compiler_params(),
   )(a, b, v, do, lse, delta, q_pos, k_pos, table)
 
 
@@ -246,5 +246,5 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: 
       grid_names=("heads", "k_tiles", "batch"),
       num_threads=wgs + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=st.compiler_params(),
   )(a, b, v, do, lse, delta, q_pos, k_pos, table)

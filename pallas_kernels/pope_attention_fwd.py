@@ -170,5 +170,5 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
       grid_names=("heads", "q_tiles", "batch"),
       num_threads=st.COMPUTE_WGS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=st.compiler_params(),
   )(a, b, v, q_pos, k_pos, table)
