@@ -307,7 +307,7 @@ def train_step_ratio(iters: int, batch: int, *, preset: str = "gpt2_124m", seq_l
   result["pope_over_rope"] = result["pope"]["ms"] / result["rope"]["ms"]
   print(f"PoPE/RoPE train-step time ratio: {result['pope_over_rope']:.3f}")
   if breakdown:
-    result["head_and_loss_ms"] = _head_and_loss_ms(base, batch, seq_len, iters)
+    result["head_and_loss_ms"] = _head_and_loss_ms(base, batch, seq_len, iters, logits_dtype)
     print(f"tied head + cross-entropy alone, forward+backward: {result['head_and_loss_ms']:.2f} ms")
   return result
 
@@ -318,9 +318,11 @@ def _next_token_loss(logits, labels):
   return cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def _head_and_loss_ms(cfg, batch: int, seq_len: int, iters: int) -> float:
-  """Forward+backward time of the model's tied head (`nn.Embed.attend` in bf16) and the float32
-  cross-entropy on random final hidden states [batch, seq_len, d_model], isolated."""
+def _head_and_loss_ms(cfg, batch: int, seq_len: int, iters: int,
+                      logits_dtype: str = "float32") -> float:
+  """Forward+backward time of the model's tied head (`nn.Embed.attend` in bf16, logits then
+  cast to float32 unless `logits_dtype` is "compute", as the model does) and the training
+  loop's cross-entropy, on random final hidden states [batch, seq_len, d_model], isolated."""
   from flax import linen as nn
   keys = jax.random.split(jax.random.key(3), 3)
   head = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=jnp.bfloat16)
@@ -329,7 +331,9 @@ def _head_and_loss_ms(cfg, batch: int, seq_len: int, iters: int) -> float:
   labels = jax.random.randint(keys[2], (batch, seq_len), 0, cfg.vocab_size)
 
   def loss(hidden, params):
-    return _next_token_loss(head.apply(params, hidden, method=nn.Embed.attend), labels)
+    logits = head.apply(params, hidden, method=nn.Embed.attend)
+    return _next_token_loss(logits if logits_dtype == "compute" else logits.astype(jnp.float32),
+                            labels)
 
   grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
   return _time_ms(grad, hidden, params, iters=iters)

@@ -113,9 +113,6 @@ def _flash_bwd(blocks, res, d_out):
       x = x.reshape(bsz, s_len, kv_heads, group, x.shape[-1]).astype(jnp.float32)
       return x.sum(3).astype(a.dtype)
     db, dv = group_sum(db), group_sum(dv)
-  ln2 = math.log(2.0)  # d exp2(x) = ln 2 · exp2(x) dx
-  da = (da.astype(jnp.float32) * ln2).astype(a.dtype)
-  db = (db.astype(jnp.float32) * ln2).astype(a.dtype)
   return da, db, dv, jnp.zeros_like(q_pos), jnp.zeros_like(k_pos), None
 
 

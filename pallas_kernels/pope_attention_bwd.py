@@ -2,7 +2,8 @@
 
 For O = softmax₂(a bᵀ) v (see `pope_attention_fwd`) with P = exp2(a bᵀ - lse) and
 Δ = rowsum(dO ∘ O), the kernels return dS·b, dSᵀ·a and Pᵀ·dO where dS = P ∘ (dO vᵀ - Δ)
-(FlashAttention-2, Dao 2023, Alg. 2); the caller multiplies the first two by ln 2 (exp2 logits).
+(FlashAttention-2, Dao 2023, Alg. 2), the first two times ln 2 (the logits are base 2:
+d exp2(x) = ln 2 · exp2(x) dx), applied to the float32 accumulators before the cast.
 
 Shape letters: B batch, T padded query length, S padded key length, N query heads, K kv heads,
 D = 2H q/k width, V value width.
@@ -11,6 +12,7 @@ D = 2H q/k width, V value width.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +23,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import _streaming as st
 from pallas_kernels.pope_attention_config import BlockSizes
 
+_LN2 = math.log(2.0)
+
 
 @functools.partial(jax.jit, static_argnames=('blocks',))
 def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: BlockSizes):
-  """dS·b per query head.
+  """ln 2 · dS·b per query head.
 
   Args:
     a: [B, T, N, D]; b: [B, S, K, D]; v: [B, S, K, V]; do: [B, T, N, V] (one dtype).
@@ -88,7 +92,7 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
 
       dq_acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
       dq_acc = st.compute_loops(ranges, dq_acc, step)
-      a_smem.at[wg][...] = dq_acc.astype(dtype)
+      a_smem.at[wg][...] = (dq_acc * _LN2).astype(dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(a_smem.at[wg], dq_ref.at[batch, rows, head])
       plgpu.wait_smem_to_gmem(0)
@@ -137,7 +141,7 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
 
 @functools.partial(jax.jit, static_argnames=('blocks',))
 def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: BlockSizes):
-  """dSᵀ·a and Pᵀ·dO per query head (the caller sums a GQA group).
+  """ln 2 · dSᵀ·a and Pᵀ·dO per query head (the caller sums a GQA group).
 
   Args:
     as in `pope_attention_dq`, except table: [B, S / (2 block_kv_dkv), 10] int32 from
@@ -201,7 +205,7 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: 
       db_acc = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
       dv_acc = plgpu.layout_cast(jnp.zeros((bk, vd), jnp.float32), plgpu.Layout.WGMMA)
       db_acc, dv_acc = st.compute_loops(ranges, (db_acc, dv_acc), step)
-      b_smem.at[wg][...] = db_acc.astype(dtype)
+      b_smem.at[wg][...] = (db_acc * _LN2).astype(dtype)
       v_smem.at[wg][...] = dv_acc.astype(dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(b_smem.at[wg], db_ref.at[batch, cols, head])

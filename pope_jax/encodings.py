@@ -271,7 +271,7 @@ def polar_to_cartesian(x: Array, ang: Array) -> Array:
 
   Args:
     x: [B, T, N, H] raw projections, any float dtype.
-    ang: float32 angles φ broadcastable to x ([B|1, T, N|1, H]).
+    ang: float32 angles φ of x's rank, the two broadcastable ([B|1, T|1, N|1, H]).
 
   Returns:
     [B, T, N, 2H] float32.
@@ -297,9 +297,13 @@ def _polar_to_cartesian_bwd(res, g):
   cos, sin = jnp.cos(ang), jnp.sin(ang)
   dx = jax.nn.sigmoid(xf) * (g_cos * cos + g_sin * sin)
   d_ang = jax.nn.softplus(xf) * (g_sin * cos - g_cos * sin)
-  broadcast = tuple(i for i, (a, b) in enumerate(zip(ang.shape, d_ang.shape)) if a != b)
-  d_ang = d_ang.sum(axis=broadcast, keepdims=True) if broadcast else d_ang
-  return dx.astype(x.dtype), d_ang.astype(ang.dtype)
+  return _sum_to(dx, x.shape).astype(x.dtype), _sum_to(d_ang, ang.shape).astype(ang.dtype)
+
+
+def _sum_to(grad: Array, shape: tuple[int, ...]) -> Array:
+  """Sums a gradient over the axes its input was broadcast along (size 1 in `shape`)."""
+  axes = tuple(i for i, (g, s) in enumerate(zip(grad.shape, shape)) if g != s)
+  return grad.sum(axis=axes, keepdims=True) if axes else grad
 
 
 polar_to_cartesian.defvjp(_polar_to_cartesian_fwd, _polar_to_cartesian_bwd)

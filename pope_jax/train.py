@@ -101,7 +101,8 @@ def cross_entropy_with_integer_labels(logits: Array, labels: Array) -> Array:
 
   Args:
     logits: [..., V] any float dtype.
-    labels: [...] int, in [0, V).
+    labels: [...] int, in [0, V); values and gradients for labels outside it are undefined
+      (mask such positions with weights, and give them a valid label such as 0).
 
   Returns:
     [...] float32 negative log-likelihoods.
@@ -120,7 +121,8 @@ def _cross_entropy_fwd(logits, labels):
 def _cross_entropy_bwd(res, g):
   logits, labels, lse = res
   x = logits.astype(jnp.float32)
-  one_hot = labels[..., None] == jnp.arange(x.shape[-1], dtype=labels.dtype)
+  # int32 on both sides: an arange in a narrow label dtype (uint8) would wrap around.
+  one_hot = labels[..., None].astype(jnp.int32) == jnp.arange(x.shape[-1], dtype=jnp.int32)
   grad = (jnp.exp(x - lse[..., None]) - one_hot) * g[..., None]
   return grad.astype(logits.dtype), None
 

@@ -132,3 +132,18 @@ def test_cartesian_gradient_matches_autodiff_of_the_plain_formula(batch_position
 def test_polar_to_cartesian_names_a_rank_mismatch():
   with pytest.raises(ValueError, match="rank"):
     encodings.polar_to_cartesian(jnp.ones((1, 2, 3, 4)), jnp.ones((2, 3, 4)))
+
+
+def test_cartesian_gradient_when_x_broadcasts_against_batched_positions():
+  x = jax.random.normal(jax.random.key(0), (1, 5, 3, 4))
+  positions = jnp.stack([jnp.arange(5), jnp.arange(5) + 7])             # [2, T]
+  loss = lambda fn, x: (fn(x, positions, base=100.0, phase=None, multiplier=None) ** 2).sum()
+  ours = lambda x, positions, **kw: encodings.pope_cartesian(x, positions, **kw)
+  got, want = jax.grad(functools.partial(loss, ours))(x), jax.grad(
+      functools.partial(loss, _plain_cartesian_kw))(x)
+  assert got.shape == x.shape
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _plain_cartesian_kw(x, positions, *, base, phase, multiplier):
+  return _plain_cartesian(x, positions, base, phase, multiplier)

@@ -353,3 +353,10 @@ def test_compute_dtype_logits_train_like_float32_logits():
 def test_bad_logits_dtype_is_named():
   with pytest.raises(ValueError, match="logits_dtype"):
     config.ModelConfig(vocab_size=11, num_layers=1, d_model=16, num_heads=2, logits_dtype="bf16")
+
+
+def test_cross_entropy_gradient_with_narrow_label_dtype():
+  logits = jnp.zeros((1, 300))
+  labels = jnp.array([5], jnp.uint8)
+  g = jax.grad(lambda x: train_lib.cross_entropy_with_integer_labels(x, labels).sum())(logits)
+  np.testing.assert_array_equal(np.nonzero(np.asarray(g[0]) < -0.5)[0], [5])
