@@ -223,9 +223,9 @@ def variants(iters: int) -> list[dict]:
 def profile_attention(shape_name: str, with_tokamax: bool) -> dict:
   """Device time per op of PoPE forward+backward: our kernel and the expansion baselines."""
   args = _inputs(SHAPES[shape_name])
-  paths = {"fused PoPE (ours)": _pope_pallas, "expand + cuDNN": _pope_cudnn}
-  if with_tokamax:
-    paths["expand + tokamax mosaic"] = _pope_tokamax
+  paths = {"fused PoPE (ours)": _pope_pallas}
+  paths.update((name, fn) for name, (fn, tk) in BASELINES.items()
+               if not name.startswith("concat") and (with_tokamax or not tk))
   out = {}
   for name, fn in paths.items():
     for mode, jitted in (("fwd", jax.jit(fn)), ("fwd+bwd", _fwd_bwd(fn))):

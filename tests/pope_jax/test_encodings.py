@@ -85,7 +85,7 @@ def test_bad_input_is_named(call, match):
     call()
 
 
-def _plain_cartesian(x, positions, base, phase, multiplier):
+def _plain_cartesian(x, positions, *, base, phase=None, multiplier=None):
   """PoPE Eq. 7-10 written directly, differentiated by autodiff (the reference for the VJP)."""
   freqs = encodings.scale_frequencies(encodings.pope_frequencies(x.shape[-1], base), multiplier)
   ang = encodings.angles(positions, freqs)
@@ -114,9 +114,7 @@ def test_cartesian_gradient_matches_autodiff_of_the_plain_formula(batch_position
   def loss(fn, x, phase, multiplier):
     return (fn(x, positions, base=500.0, phase=phase, multiplier=multiplier) * cot).sum()
 
-  ours = lambda x, positions, **kw: encodings.pope_cartesian(x, positions, **kw)
-  plain = lambda x, positions, base, phase, multiplier: _plain_cartesian(
-      x, positions, base, phase, multiplier)
+  ours, plain = encodings.pope_cartesian, _plain_cartesian
   np.testing.assert_allclose(
       ours(x, positions, base=500.0, phase=phase, multiplier=multiplier),
       plain(x, positions, base=500.0, phase=phase, multiplier=multiplier), rtol=1e-6, atol=1e-6)
@@ -138,12 +136,7 @@ def test_cartesian_gradient_when_x_broadcasts_against_batched_positions():
   x = jax.random.normal(jax.random.key(0), (1, 5, 3, 4))
   positions = jnp.stack([jnp.arange(5), jnp.arange(5) + 7])             # [2, T]
   loss = lambda fn, x: (fn(x, positions, base=100.0, phase=None, multiplier=None) ** 2).sum()
-  ours = lambda x, positions, **kw: encodings.pope_cartesian(x, positions, **kw)
-  got, want = jax.grad(functools.partial(loss, ours))(x), jax.grad(
-      functools.partial(loss, _plain_cartesian_kw))(x)
+  got = jax.grad(functools.partial(loss, encodings.pope_cartesian))(x)
+  want = jax.grad(functools.partial(loss, _plain_cartesian))(x)
   assert got.shape == x.shape
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-
-
-def _plain_cartesian_kw(x, positions, *, base, phase, multiplier):
-  return _plain_cartesian(x, positions, base, phase, multiplier)
