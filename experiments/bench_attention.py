@@ -13,7 +13,7 @@ usual FlashAttention convention). Ratios are to the fastest PoPE baseline row.
       [--train-step [--train-batch N] [--logits-dtype compute] [--train-breakdown]]
 
 --profile adds device time per op (`experiments.profile_ops`) of the PoPE fwd+bwd paths at head
-dim 64 and, with --train-step, of both train steps.
+dims 64 and 128 and, with --train-step, of both train steps.
 """
 
 from __future__ import annotations
@@ -202,8 +202,11 @@ def check(names) -> list[dict]:
 
 VARIANTS = {  # Besides each head dim's default (`default_block_sizes`), timed in the main table.
     "bench_h64": [BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128,
-                             ping_pong=False)],
-    "bench_h128": [BlockSizes(block_q=64, block_kv=64, ping_pong=True)],
+                             ping_pong=False),
+                  BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128,
+                             split_dkv=True)],
+    "bench_h128": [BlockSizes(block_q=64, block_kv=64, ping_pong=True, split_dkv=True),
+                   BlockSizes(block_q=64, block_kv=64, ping_pong=False, split_dkv=False)],
 }
 
 
@@ -352,7 +355,7 @@ def main():
   parser.add_argument("--train-breakdown", action="store_true",
                       help="--train-step also times forward, backward, optimizer, head + loss")
   parser.add_argument("--profile", action="store_true",
-                      help="device time per op of the H64 attention paths and the train steps")
+                      help="device time per op of the attention paths and the train steps")
   parser.add_argument("--skip-bench", action="store_true")
   args = parser.parse_args()
   try:
@@ -372,7 +375,8 @@ def main():
   if args.variants:
     results["variants"] = variants(args.iters)
   if args.profile:
-    results["profile"] = profile_attention("bench_h64", with_tokamax)
+    results["profile"] = {n: profile_attention(n, with_tokamax)
+                          for n in ("bench_h64", "bench_h128")}
   if args.train_step:
     results["train_step"] = train_step_ratio(args.iters, args.train_batch,
                                              breakdown=args.train_breakdown, profile=args.profile,

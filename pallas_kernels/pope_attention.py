@@ -105,7 +105,11 @@ def _flash_bwd(blocks, res, d_out):
   d_out = d_out.astype(a.dtype)
   args = (a, b, v, d_out, lse, delta, q_pos, k_pos)
   da = pope_attention_dq(*args, tables[1], blocks=blocks)
-  db, dv = pope_attention_dkv(*args, tables[2], blocks=blocks)
+  if blocks.split_dkv:
+    (db,) = pope_attention_dkv(*args, tables[2], blocks=blocks, outputs=("db",))
+    (dv,) = pope_attention_dkv(*args, tables[2], blocks=blocks, outputs=("dv",))
+  else:
+    db, dv = pope_attention_dkv(*args, tables[2], blocks=blocks)
   bsz, s_len, kv_heads = b.shape[:3]
   group = a.shape[2] // kv_heads
   if group > 1:

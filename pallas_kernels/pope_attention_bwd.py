@@ -46,7 +46,7 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
   bq, bk, stages = blocks.block_q_dq, blocks.block_kv_dq, blocks.stages
   dtype = a.dtype
 
-  def kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, tab_ref,
+  def pope_dq_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, tab_ref,
              dq_ref, a_smem, do_smem, lse_smem, delta_smem, qpos_smem, b_smem, v_smem,
              kpos_smem, res_bar, b_bar, v_bar, kpos_bar, consumed):
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -128,7 +128,7 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
   ]
   return plgpu.kernel(
-      kernel,
+      pope_dq_kernel,
       out_type=jax.ShapeDtypeStruct(a.shape, dtype),
       scratch_types=scratch,
       grid=(n_heads, t_len // (wgs * bq), bsz),
@@ -139,112 +139,140 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
   )(a, b, v, do, lse, delta, q_pos, k_pos, table)
 
 
-@functools.partial(jax.jit, static_argnames=('blocks',))
-def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: BlockSizes):
+DKV_OUTPUTS = ("db", "dv")
+
+
+@functools.partial(jax.jit, static_argnames=('blocks', 'outputs'))
+def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: BlockSizes,
+                       outputs: tuple[str, ...] = DKV_OUTPUTS):
   """ln 2 · dSᵀ·a and Pᵀ·dO per query head (the caller sums a GQA group).
+
+  `outputs` picks which of the two one launch computes: both share P, but at D = 256 (H = 128)
+  their float32 accumulators (db 128 + dv 64 registers per thread) and the P, dP tiles exceed a
+  warpgroup's registers and spill, so `BlockSizes.split_dkv` computes them in two launches (dv's
+  repeats the a bᵀ matmul; still faster, see docs/results/attention_kernel.md).
 
   Args:
     as in `pope_attention_dq`, except table: [B, S / (2 block_kv_dkv), 10] int32 from
     `st.visit_table` with keys resident.
+    outputs: a non-empty ordered subset of ("db", "dv").
 
   Returns:
-    db [B, S, N, D] and dv [B, S, N, V] in a's dtype.
+    a tuple in `outputs` order of db [B, S, N, D] and dv [B, S, N, V], in a's dtype.
   """
+  if not outputs or any(o not in DKV_OUTPUTS for o in outputs) or len(set(outputs)) < len(outputs):
+    raise ValueError(f"outputs must be a non-empty subset of {DKV_OUTPUTS}, got {outputs!r}")
+  want_db, want_dv = "db" in outputs, "dv" in outputs
   bsz, t_len, n_heads, d = a.shape
   s_len, vd = v.shape[1], v.shape[-1]
   group = n_heads // b.shape[2]
   bk, bq, stages = blocks.block_kv_dkv, blocks.block_q_dkv, blocks.stages
   dtype = a.dtype
+  wgs = st.COMPUTE_WGS
+  # Operands loaded per compute warpgroup (resident) and per stage (streamed); dv alone needs
+  # neither v nor Δ (v's SMEM tile is still allocated: it stages dv for the store).
+  resident = ("b", "kpos") + (("v",) if want_db else ())
+  streamed = ("a", "do", "lse", "qpos") + (("delta",) if want_db else ())
 
-  def kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, tab_ref,
-             db_ref, dv_ref, b_smem, v_smem, kpos_smem, a_smem, do_smem, lse_smem,
-             delta_smem, qpos_smem, res_bar, a_bar, do_bar, lse_bar, delta_bar, qpos_bar,
-             consumed):
+  def pope_dkv_kernel(*refs):
+    (a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, tab_ref), refs = (
+        refs[:9], refs[9:])
+    out_refs, refs = dict(zip(outputs, refs[:len(outputs)])), refs[len(outputs):]
+    smem, refs = dict(zip(("b", "v", "kpos"), refs[:3])), refs[3:]
+    str_smem, refs = dict(zip(streamed, refs[:len(streamed)])), refs[len(streamed):]
+    res_bar, consumed = refs[0], refs[-1]
+    str_bar = dict(zip(streamed, refs[1:-1]))
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
     # Key tile 0 sees the most queries under a causal mask: the natural order is longest-first.
     cta, wg = lax.axis_index("k_tiles"), lax.axis_index("wg")
     kv_head = lax.div(head, jnp.int32(group))
 
-    @pl.when(wg < st.COMPUTE_WGS)
+    @pl.when(wg < wgs)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
-      cols = pl.ds((cta * st.COMPUTE_WGS + wg) * bk, bk)
-      loads = ((b_ref.at[batch, cols, kv_head], b_smem), (v_ref.at[batch, cols, kv_head], v_smem),
-               (kpos_ref.at[batch, cols], kpos_smem))
-      for i, (src, dst) in enumerate(loads):
-        plgpu.copy_gmem_to_smem(src, dst.at[wg], res_bar.at[i * st.COMPUTE_WGS + wg])
-      for i in range(len(loads)):
-        plgpu.barrier_wait(res_bar.at[i * st.COMPUTE_WGS + wg])
-      kpos = st.row_vector(kpos_smem.at[wg], 0)
+      cols = pl.ds((cta * wgs + wg) * bk, bk)
+      src = {"b": b_ref.at[batch, cols, kv_head], "v": v_ref.at[batch, cols, kv_head],
+             "kpos": kpos_ref.at[batch, cols]}
+      for i, name in enumerate(resident):
+        plgpu.copy_gmem_to_smem(src[name], smem[name].at[wg], res_bar.at[i * wgs + wg])
+      for i in range(len(resident)):
+        plgpu.barrier_wait(res_bar.at[i * wgs + wg])
+      b_smem = smem["b"]
+      kpos = st.row_vector(smem["kpos"].at[wg], 0)
       ranges = st.read_ranges(tab_ref, batch, cta, wg)
       u_lo = ranges[0]
 
-      def step(s, carry, mode):
+      def step(s, accs, mode):
         slot = st.slot_of(s, u_lo, stages)
-        for bar in (a_bar, do_bar, lse_bar, delta_bar, qpos_bar):
-          plgpu.barrier_wait(bar.at[slot])
+        for name in streamed:
+          plgpu.barrier_wait(str_bar[name].at[slot])
         if mode == "skip":
           plgpu.barrier_arrive(consumed.at[slot])
-          return carry
-        db_acc, dv_acc = carry
+          return accs
+        accs = dict(zip(outputs, accs))
+        a_smem, do_smem = str_smem["a"], str_smem["do"]
         s_t = st.matmul(b_smem.at[wg], a_smem.at[slot].transpose((1, 0)), (bk, bq))
         if mode == "masked":
-          qpos = st.row_vector(qpos_smem.at[slot], 1)
+          qpos = st.row_vector(str_smem["qpos"].at[slot], 1)
           visible = st.broadcast(kpos, (bk, bq), 0) <= st.broadcast(qpos, (bk, bq), 1)
           s_t = jnp.where(visible, s_t, st.NEG_INF)
-        lse = st.row_vector(lse_smem.at[slot], 1)
+        lse = st.row_vector(str_smem["lse"].at[slot], 1)
         p_t = jnp.exp2(s_t - st.broadcast(lse, (bk, bq), 1))
-        dv_acc = st.matmul_acc(dv_acc, p_t.astype(dtype), do_smem.at[slot])
-        dp_t = st.matmul(v_smem.at[wg], do_smem.at[slot].transpose((1, 0)), (bk, bq))
-        dlt = st.row_vector(delta_smem.at[slot], 1)
-        ds_t = p_t * (dp_t - st.broadcast(dlt, (bk, bq), 1))
-        db_acc = st.matmul_acc(db_acc, ds_t.astype(dtype), a_smem.at[slot])
+        if want_dv:
+          accs["dv"] = st.matmul_acc(accs["dv"], p_t.astype(dtype), do_smem.at[slot])
+        if want_db:
+          dp_t = st.matmul(smem["v"].at[wg], do_smem.at[slot].transpose((1, 0)), (bk, bq))
+          dlt = st.row_vector(str_smem["delta"].at[slot], 1)
+          ds_t = p_t * (dp_t - st.broadcast(dlt, (bk, bq), 1))
+          accs["db"] = st.matmul_acc(accs["db"], ds_t.astype(dtype), a_smem.at[slot])
         plgpu.barrier_arrive(consumed.at[slot])
-        return db_acc, dv_acc
+        return tuple(accs[o] for o in outputs)
 
-      db_acc = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
-      dv_acc = plgpu.layout_cast(jnp.zeros((bk, vd), jnp.float32), plgpu.Layout.WGMMA)
-      db_acc, dv_acc = st.compute_loops(ranges, (db_acc, dv_acc), step)
-      b_smem.at[wg][...] = (db_acc * _LN2).astype(dtype)
-      v_smem.at[wg][...] = dv_acc.astype(dtype)
+      widths = {"db": d, "dv": vd}
+      accs = tuple(plgpu.layout_cast(jnp.zeros((bk, widths[o]), jnp.float32),
+                                     plgpu.Layout.WGMMA) for o in outputs)
+      accs = dict(zip(outputs, st.compute_loops(ranges, accs, step)))
+      # The resident tiles' SMEM is free now: stage the results there for the TMA stores.
+      stage = {"db": smem["b"].at[wg], "dv": smem["v"].at[wg]}
+      for o in outputs:
+        stage[o][...] = (accs[o] * _LN2 if o == "db" else accs[o]).astype(dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(b_smem.at[wg], db_ref.at[batch, cols, head])
-      plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[batch, cols, head])
+      for o in outputs:
+        plgpu.copy_smem_to_gmem(stage[o], out_refs[o].at[batch, cols, head])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == st.COMPUTE_WGS)
+    @pl.when(wg == wgs)
     def _memory():
       def copies(s):
         rows = pl.ds(s * bq, bq)
-        return ((a_ref.at[batch, rows, head], a_smem, a_bar),
-                (do_ref.at[batch, rows, head], do_smem, do_bar),
-                (lse_ref.at[batch, head, rows], lse_smem, lse_bar),
-                (delta_ref.at[batch, head, rows], delta_smem, delta_bar),
-                (qpos_ref.at[batch, rows], qpos_smem, qpos_bar))
+        src = {"a": a_ref.at[batch, rows, head], "do": do_ref.at[batch, rows, head],
+               "lse": lse_ref.at[batch, head, rows], "delta": delta_ref.at[batch, head, rows],
+               "qpos": qpos_ref.at[batch, rows]}
+        return tuple((src[n], str_smem[n], str_bar[n]) for n in streamed)
 
       st.memory_warpgroup((tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]), stages, consumed,
                           copies)
 
   tf = st.tile_transforms()
-  wgs = st.COMPUTE_WGS
+  res_types = {"b": plgpu.SMEM((wgs, bk, d), dtype, transforms=tf),
+               "v": plgpu.SMEM((wgs, bk, vd), dtype, transforms=tf),
+               "kpos": plgpu.SMEM((wgs, bk), jnp.float32)}
+  str_types = {"a": plgpu.SMEM((stages, bq, d), dtype, transforms=tf),
+               "do": plgpu.SMEM((stages, bq, vd), dtype, transforms=tf),
+               "lse": plgpu.SMEM((stages, bq), jnp.float32),
+               "delta": plgpu.SMEM((stages, bq), jnp.float32),
+               "qpos": plgpu.SMEM((stages, bq), jnp.float32)}
   scratch = [
-      plgpu.SMEM((wgs, bk, d), dtype, transforms=tf),
-      plgpu.SMEM((wgs, bk, vd), dtype, transforms=tf),
-      plgpu.SMEM((wgs, bk), jnp.float32),
-      plgpu.SMEM((stages, bq, d), dtype, transforms=tf),
-      plgpu.SMEM((stages, bq, vd), dtype, transforms=tf),
-      plgpu.SMEM((stages, bq), jnp.float32),
-      plgpu.SMEM((stages, bq), jnp.float32),
-      plgpu.SMEM((stages, bq), jnp.float32),
-      plgpu.Barrier(num_barriers=3 * wgs),
-      *(plgpu.Barrier(num_barriers=stages) for _ in range(5)),
+      *res_types.values(),
+      *(str_types[n] for n in streamed),
+      plgpu.Barrier(num_barriers=len(resident) * wgs),
+      *(plgpu.Barrier(num_barriers=stages) for _ in streamed),
       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
   ]
-  out_type = (jax.ShapeDtypeStruct((bsz, s_len, n_heads, d), dtype),
-              jax.ShapeDtypeStruct((bsz, s_len, n_heads, vd), dtype))
+  shapes = {"db": (bsz, s_len, n_heads, d), "dv": (bsz, s_len, n_heads, vd)}
   return plgpu.kernel(
-      kernel,
-      out_type=out_type,
+      pope_dkv_kernel,
+      out_type=tuple(jax.ShapeDtypeStruct(shapes[o], dtype) for o in outputs),
       scratch_types=scratch,
       grid=(n_heads, s_len // (wgs * bk), bsz),
       grid_names=("heads", "k_tiles", "batch"),

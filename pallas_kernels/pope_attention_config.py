@@ -23,6 +23,9 @@ class BlockSizes:
     ping_pong: forward only: the two compute warpgroups take turns on the tensor cores, one's
       softmax overlapping the other's matmuls (FlashAttention-3 §3.1). On by default here;
       `default_block_sizes` turns it off at head dim 128.
+    split_dkv: compute dk and dv in two launches rather than one (`pope_attention_dkv`): more
+      matmul work, but no register spills where the one launch's accumulators do not fit
+      (`default_block_sizes` turns it on at head dim 128).
   """
   block_q: int = 64
   block_kv: int = 128
@@ -32,6 +35,7 @@ class BlockSizes:
   block_q_dkv: int = 64
   stages: int = 2
   ping_pong: bool = True
+  split_dkv: bool = False
 
   def __post_init__(self):
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",
@@ -39,8 +43,9 @@ class BlockSizes:
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"BlockSizes.{field} must be an int, got {value!r}")
-    if not isinstance(self.ping_pong, bool):
-      raise TypeError(f"BlockSizes.ping_pong must be a bool, got {self.ping_pong!r}")
+    for field in ("ping_pong", "split_dkv"):
+      if not isinstance(getattr(self, field), bool):
+        raise TypeError(f"BlockSizes.{field} must be a bool, got {getattr(self, field)!r}")
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",
                   "block_q_dkv"):
       value = getattr(self, field)
@@ -75,4 +80,4 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
   """
   if head_dim <= 64:
     return BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128, stages=2)
-  return BlockSizes(block_q=64, block_kv=64, stages=2, ping_pong=False)
+  return BlockSizes(block_q=64, block_kv=64, stages=2, ping_pong=False, split_dkv=True)

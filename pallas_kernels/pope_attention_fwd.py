@@ -56,7 +56,7 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
   # plain schedule; the GPU check of experiments.bench_attention covers the ping-pong one.
   ping_pong = blocks.ping_pong and not st.interpreted()
 
-  def kernel(a_ref, b_ref, v_ref, qpos_ref, kpos_ref, tab_ref, o_ref, lse_ref,
+  def pope_fwd_kernel(a_ref, b_ref, v_ref, qpos_ref, kpos_ref, tab_ref, o_ref, lse_ref,
              a_smem, o_smem, qpos_smem, lse_smem, b_smem, v_smem, kpos_smem,
              a_bar, qpos_bar, b_bar, v_bar, kpos_bar, consumed, schedule):
     batch = lax.axis_index("batch")
@@ -163,7 +163,7 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
   out_type = (jax.ShapeDtypeStruct((bsz, t_len, n_heads, vd), dtype),
               jax.ShapeDtypeStruct((bsz, n_heads, t_len), jnp.float32))
   return plgpu.kernel(
-      kernel,
+      pope_fwd_kernel,
       out_type=out_type,
       scratch_types=scratch,
       grid=(n_heads, n_ctas, bsz),

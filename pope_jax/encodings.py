@@ -253,57 +253,83 @@ def pope_cartesian(
     if phase.shape != x.shape[2:]:
       raise ValueError(f"phase must have shape [num_heads, head_dim] = {x.shape[2:]}, got "
                        f"{phase.shape}")
-    ang = ang + phase.astype(jnp.float32)
-  return polar_to_cartesian(x, ang)
+    phase = phase.astype(jnp.float32)
+  return polar_to_cartesian(x, ang, phase)
+
+
+def _cos_sin(ang: Array, phase: Array | None) -> tuple[Array, Array]:
+  """cos φ and sin φ of φ = ang + phase, from the two factors' own cos and sin.
+
+  The trigonometric functions run on the factors (positions × frequencies, and heads ×
+  frequencies), which XLA materialises as small tables; the per-element work is then the
+  angle-addition formula (a few multiply-adds), not a float32 cos and sin per element, which
+  made the elementwise pass compute-bound. `optimization_barrier` keeps XLA from fusing the
+  tables' trigonometry back into the per-element loop.
+  """
+  cos_a, sin_a = jax.lax.optimization_barrier((jnp.cos(ang), jnp.sin(ang)))
+  if phase is None:
+    return cos_a, sin_a
+  cos_p, sin_p = jax.lax.optimization_barrier((jnp.cos(phase), jnp.sin(phase)))
+  return cos_a * cos_p - sin_a * sin_p, sin_a * cos_p + cos_a * sin_p
 
 
 @jax.custom_vjp
-def polar_to_cartesian(x: Array, ang: Array) -> Array:
-  """[softplus(x) cos φ, softplus(x) sin φ] (PoPE Eq. 7-10), with a hand-written gradient.
+def polar_to_cartesian(x: Array, ang: Array, phase: Array | None = None) -> Array:
+  """[softplus(x) cos φ, softplus(x) sin φ], φ = ang + phase (PoPE Eq. 7-10), hand-written VJP.
 
   The value is one elementwise expression over the 2H output columns, so XLA computes it in one
-  pass (joining two products with a concatenation made it write softplus(x) first). The
-  gradient is written out for the same reason, also one pass per output (autodiff of the
-  column-select form took about twice the memory traffic):
+  pass (joining two products with a concatenation made it write softplus(x) first); cos φ and
+  sin φ come from the factors' tables by angle addition (`_cos_sin`). The gradient is written
+  out for the same reason, also one pass per output (autodiff of the column-select form took
+  about twice the memory traffic):
     dx = sigmoid(x) (g_cos cos φ + g_sin sin φ),  dφ = softplus(x) (g_sin cos φ - g_cos sin φ),
-  with dφ summed over the axes φ was broadcast along. Tested against autodiff of the plain
-  formula (tests/pope_jax/test_encodings.py).
+  with dφ summed over the axes ang and phase were broadcast along. Tested against autodiff of
+  the plain formula (tests/pope_jax/test_encodings.py).
 
   Args:
     x: [B, T, N, H] raw projections, any float dtype.
-    ang: float32 angles φ of x's rank, the two broadcastable ([B|1, T|1, N|1, H]).
+    ang: float32 angles of x's rank, the two broadcastable ([B|1, T|1, N|1, H]).
+    phase: None or a float32 phase broadcastable to x's last axes (e.g. [N, H]).
 
   Returns:
     [B, T, N, 2H] float32.
+
+  Raises:
+    ValueError: ang's rank differs from x's.
   """
   if ang.ndim != x.ndim:
     raise ValueError(f"angles must have x's rank {x.ndim} (broadcastable to {x.shape}), got "
                      f"shape {ang.shape}")
-  h = x.shape[-1]
+  cos, sin = _cos_sin(ang, phase)
   mag = pope_magnitudes(jnp.concatenate([x, x], axis=-1))
-  ang = jnp.concatenate([ang, ang], axis=-1)
-  return mag * jnp.where(jnp.arange(2 * h) < h, jnp.cos(ang), jnp.sin(ang))
+  h = cos.shape[-1]
+  return mag * jnp.where(jnp.arange(2 * h) < h, jnp.concatenate([cos, cos], axis=-1),
+                         jnp.concatenate([sin, sin], axis=-1))
 
 
-def _polar_to_cartesian_fwd(x, ang):
-  return polar_to_cartesian(x, ang), (x, ang)
+def _polar_to_cartesian_fwd(x, ang, phase=None):
+  return polar_to_cartesian(x, ang, phase), (x, ang, phase)
 
 
 def _polar_to_cartesian_bwd(res, g):
-  x, ang = res
+  x, ang, phase = res
   h = x.shape[-1]
   g_cos, g_sin = g[..., :h].astype(jnp.float32), g[..., h:].astype(jnp.float32)
   xf = x.astype(jnp.float32)
-  cos, sin = jnp.cos(ang), jnp.sin(ang)
+  cos, sin = _cos_sin(ang, phase)
   dx = jax.nn.sigmoid(xf) * (g_cos * cos + g_sin * sin)
   d_ang = jax.nn.softplus(xf) * (g_sin * cos - g_cos * sin)
-  return _sum_to(dx, x.shape).astype(x.dtype), _sum_to(d_ang, ang.shape).astype(ang.dtype)
+  d_phase = None if phase is None else _sum_to(d_ang, phase.shape).astype(phase.dtype)
+  return (_sum_to(dx, x.shape).astype(x.dtype), _sum_to(d_ang, ang.shape).astype(ang.dtype),
+          d_phase)
 
 
 def _sum_to(grad: Array, shape: tuple[int, ...]) -> Array:
-  """Sums a gradient over the axes its input was broadcast along (size 1 in `shape`)."""
-  axes = tuple(i for i, (g, s) in enumerate(zip(grad.shape, shape)) if g != s)
-  return grad.sum(axis=axes, keepdims=True) if axes else grad
+  """Sums a gradient over the axes its input was broadcast along, to `shape`."""
+  lead = grad.ndim - len(shape)
+  axes = tuple(range(lead)) + tuple(
+      lead + i for i, s in enumerate(shape) if s == 1 and grad.shape[lead + i] != 1)
+  return grad.sum(axis=axes).reshape(shape) if axes else grad
 
 
 polar_to_cartesian.defvjp(_polar_to_cartesian_fwd, _polar_to_cartesian_bwd)

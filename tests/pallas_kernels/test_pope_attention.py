@@ -5,6 +5,7 @@ dims 32/64/128. Lengths stay <= 128 so every draw pads to one 128-row tile and t
 kernels are shared between draws of one (B, N, K, H) family (CI time).
 """
 
+import dataclasses
 import functools
 import math
 
@@ -18,6 +19,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import pope_attention as kernel
 from pallas_kernels import _streaming
+from pallas_kernels.pope_attention_bwd import pope_attention_dkv
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
 from pope_jax import attention
 
@@ -128,6 +130,32 @@ def test_unsupported_inputs_raise():
     kernel.pope_attention(q64, q64, q64)
 
 
+@pytest.mark.parametrize("split_dkv", [False, True])
+def test_dk_dv_in_one_or_two_launches(split_dkv):
+  # The default at H = 64 is one launch, at H = 128 two; both schedules at H = 64 here.
+  q, k, v, delta, cot = _problem((1, 2, 1, 64), 90, 120, seed=7)
+  blocks = dataclasses.replace(default_block_sizes(64), split_dkv=split_dkv)
+
+  def loss(q, k, v, delta):
+    out = kernel.pope_attention(q, k, v, delta, is_causal=True, block_sizes=blocks)
+    return (out.astype(jnp.float32) * cot).sum(), out
+
+  with plgpu.force_gpu_interpret_mode():
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+        q, k, v, delta)
+  want = _value_and_grads("xla", q, k, v, delta, cot, is_causal=True)
+  _assert_close((out, *grads), want)
+
+
+def test_dkv_outputs_validate():
+  x = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
+  row = jnp.zeros((1, 1, 128), jnp.float32)
+  args = (x, x, x[..., :64], x[..., :64], row, row, row[0], row[0], None)
+  for outputs in ((), ("dq",), ("db", "db")):
+    with pytest.raises(ValueError, match="outputs"):
+      pope_attention_dkv(*args, blocks=default_block_sizes(64), outputs=outputs)
+
+
 def test_block_sizes_validate():
   with pytest.raises(ValueError, match="block_kv"):
     BlockSizes(block_kv=96)
@@ -137,8 +165,12 @@ def test_block_sizes_validate():
 
 
 def test_block_size_defaults_and_types():
-  # Ping-pong forward where it measured faster (H <= 64), the plain schedule at H = 128.
+  # Ping-pong forward where it measured faster (H <= 64), the plain schedule at H = 128; dk and
+  # dv in two launches at H = 128, where one launch spills registers.
   assert default_block_sizes(64).ping_pong and not default_block_sizes(128).ping_pong
+  assert default_block_sizes(128).split_dkv and not default_block_sizes(64).split_dkv
+  with pytest.raises(TypeError, match="split_dkv"):
+    BlockSizes(split_dkv=1)
   with pytest.raises(TypeError, match="stages"):
     BlockSizes(stages=2.5)
   with pytest.raises(TypeError, match="block_q"):

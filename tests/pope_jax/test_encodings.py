@@ -95,6 +95,19 @@ def _plain_cartesian(x, positions, *, base, phase=None, multiplier=None):
   return jnp.concatenate([mag * jnp.cos(ang), mag * jnp.sin(ang)], axis=-1)
 
 
+def _cartesian_float64(x, positions, base, phase, multiplier):
+  """PoPE Eq. 7-10 in float64 from the float32 frequencies; also returns the largest |angle|."""
+  freqs = np.asarray(encodings.scale_frequencies(encodings.pope_frequencies(x.shape[-1], base),
+                                                 multiplier), np.float64)
+  pos = np.asarray(positions, np.float64)
+  pos = pos[None] if pos.ndim == 1 else pos
+  ang = pos[:, :, None, None] * (freqs if freqs.ndim == 2 else freqs[None])[None, None]
+  if phase is not None:
+    ang = ang + np.asarray(phase, np.float64)
+  mag = np.logaddexp(0.0, np.asarray(x, np.float64))
+  return np.concatenate([mag * np.cos(ang), mag * np.sin(ang)], axis=-1), np.abs(ang).max()
+
+
 @pytest.mark.parametrize("batch_positions", [False, True])
 @pytest.mark.parametrize("with_phase", [False, True])
 @pytest.mark.parametrize("multiplier", [None, 0.5, "per_head"])
@@ -115,9 +128,11 @@ def test_cartesian_gradient_matches_autodiff_of_the_plain_formula(batch_position
     return (fn(x, positions, base=500.0, phase=phase, multiplier=multiplier) * cot).sum()
 
   ours, plain = encodings.pope_cartesian, _plain_cartesian
-  np.testing.assert_allclose(
-      ours(x, positions, base=500.0, phase=phase, multiplier=multiplier),
-      plain(x, positions, base=500.0, phase=phase, multiplier=multiplier), rtol=1e-6, atol=1e-6)
+  got = np.asarray(ours(x, positions, base=500.0, phase=phase, multiplier=multiplier))
+  want, max_angle = _cartesian_float64(x, positions, 500.0, phase, multiplier)
+  # Float32 angles carry rounding of half an ulp of the largest angle (~1e-4 rad at 3000 rad).
+  np.testing.assert_allclose(got, want, rtol=0,
+                             atol=2 * 2.0**-24 * max_angle * np.abs(want).max() + 1e-6)
   argnums = (0,) + ((1,) if with_phase else ()) + ((2,) if multiplier is not None else ())
   got = jax.grad(functools.partial(loss, ours), argnums)(x, phase, multiplier)
   want = jax.grad(functools.partial(loss, plain), argnums)(x, phase, multiplier)
