@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import pope_attention as kernel
-from pallas_kernels.pope_attention_config import BlockSizes
+from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
 from pallas_kernels.shapes import SHAPES, AttentionShape
 from experiments import profile_ops
 from pope_jax import attention, encodings
@@ -201,12 +201,10 @@ def check(names) -> list[dict]:
 
 
 VARIANTS = {  # Besides each head dim's default (`default_block_sizes`), timed in the main table.
-    "bench_h64": [BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128,
-                             ping_pong=False),
-                  BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128,
-                             split_dkv=True)],
-    "bench_h128": [BlockSizes(block_q=64, block_kv=64, ping_pong=True, split_dkv=True),
-                   BlockSizes(block_q=64, block_kv=64, ping_pong=False, split_dkv=False)],
+    "bench_h64": [dataclasses.replace(default_block_sizes(64), **change) for change in (
+        {"split_dkv": True}, {"ping_pong": False})],
+    "bench_h128": [dataclasses.replace(default_block_sizes(128), **change) for change in (
+        {"split_dkv": False}, {"ping_pong": True})],
 }
 
 
