@@ -46,9 +46,9 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
   bq, bk, stages = blocks.block_q_dq, blocks.block_kv_dq, blocks.stages
   dtype = a.dtype
 
-  def pope_dq_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, tab_ref,
-             dq_ref, a_smem, do_smem, lse_smem, delta_smem, qpos_smem, b_smem, v_smem,
-             kpos_smem, res_bar, b_bar, v_bar, kpos_bar, consumed):
+  def pope_dq_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
+                     tab_ref, dq_ref, a_smem, do_smem, lse_smem, delta_smem, qpos_smem, b_smem,
+                     v_smem, kpos_smem, res_bar, b_bar, v_bar, kpos_bar, consumed):
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
     cta = st.longest_first(lax.axis_index("q_tiles"), t_len // (st.COMPUTE_WGS * bq))
     wg = lax.axis_index("wg")
@@ -139,29 +139,38 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
   )(a, b, v, do, lse, delta, q_pos, k_pos, table)
 
 
-DKV_OUTPUTS = ("db", "dv")
+_DKV_OUTPUTS = ("db", "dv")
 
 
-@functools.partial(jax.jit, static_argnames=('blocks', 'outputs'))
 def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: BlockSizes,
-                       outputs: tuple[str, ...] = DKV_OUTPUTS):
+                       outputs: tuple[str, ...] = _DKV_OUTPUTS):
   """ln 2 · dSᵀ·a and Pᵀ·dO per query head (the caller sums a GQA group).
 
   `outputs` picks which of the two one launch computes: both share P, but at D = 256 (H = 128)
   their float32 accumulators (db 128 + dv 64 registers per thread) and the P, dP tiles exceed a
   warpgroup's registers and spill, so `BlockSizes.split_dkv` computes them in two launches (dv's
-  repeats the a bᵀ matmul; still faster, see docs/results/attention_kernel.md).
+  repeats the a bᵀ matmul and the pass over a, dO, lse; still faster at H = 128, see
+  docs/results/attention_kernel.md, run 9).
 
   Args:
     as in `pope_attention_dq`, except table: [B, S / (2 block_kv_dkv), 10] int32 from
     `st.visit_table` with keys resident.
-    outputs: a non-empty ordered subset of ("db", "dv").
+    outputs: a non-empty ordered subset of ("db", "dv") (any sequence).
 
   Returns:
     a tuple in `outputs` order of db [B, S, N, D] and dv [B, S, N, V], in a's dtype.
+
+  Raises:
+    ValueError: `outputs` is empty, repeats a name or names another output.
   """
-  if not outputs or any(o not in DKV_OUTPUTS for o in outputs) or len(set(outputs)) < len(outputs):
-    raise ValueError(f"outputs must be a non-empty subset of {DKV_OUTPUTS}, got {outputs!r}")
+  outputs = tuple(outputs)
+  if not outputs or any(o not in _DKV_OUTPUTS for o in outputs) or len(set(outputs)) < len(outputs):
+    raise ValueError(f"outputs must be a non-empty subset of {_DKV_OUTPUTS}, got {outputs!r}")
+  return _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, blocks=blocks, outputs=outputs)
+
+
+@functools.partial(jax.jit, static_argnames=('blocks', 'outputs'))
+def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks, outputs):
   want_db, want_dv = "db" in outputs, "dv" in outputs
   bsz, t_len, n_heads, d = a.shape
   s_len, vd = v.shape[1], v.shape[-1]
@@ -174,14 +183,8 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: 
   resident = ("b", "kpos") + (("v",) if want_db else ())
   streamed = ("a", "do", "lse", "qpos") + (("delta",) if want_db else ())
 
-  def pope_dkv_kernel(*refs):
-    (a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, tab_ref), refs = (
-        refs[:9], refs[9:])
-    out_refs, refs = dict(zip(outputs, refs[:len(outputs)])), refs[len(outputs):]
-    smem, refs = dict(zip(("b", "v", "kpos"), refs[:3])), refs[3:]
-    str_smem, refs = dict(zip(streamed, refs[:len(streamed)])), refs[len(streamed):]
-    res_bar, consumed = refs[0], refs[-1]
-    str_bar = dict(zip(streamed, refs[1:-1]))
+  def pope_dkv_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
+                      tab_ref, out_refs, smem, str_smem, res_bar, str_bar, consumed):
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
     # Key tile 0 sees the most queries under a causal mask: the natural order is longest-first.
     cta, wg = lax.axis_index("k_tiles"), lax.axis_index("wg")
@@ -262,17 +265,17 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: 
                "lse": plgpu.SMEM((stages, bq), jnp.float32),
                "delta": plgpu.SMEM((stages, bq), jnp.float32),
                "qpos": plgpu.SMEM((stages, bq), jnp.float32)}
-  scratch = [
-      *res_types.values(),
-      *(str_types[n] for n in streamed),
+  scratch = (
+      res_types,
+      {n: str_types[n] for n in streamed},
       plgpu.Barrier(num_barriers=len(resident) * wgs),
-      *(plgpu.Barrier(num_barriers=stages) for _ in streamed),
+      {n: plgpu.Barrier(num_barriers=stages) for n in streamed},
       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-  ]
+  )
   shapes = {"db": (bsz, s_len, n_heads, d), "dv": (bsz, s_len, n_heads, vd)}
-  return plgpu.kernel(
+  out = plgpu.kernel(
       pope_dkv_kernel,
-      out_type=tuple(jax.ShapeDtypeStruct(shapes[o], dtype) for o in outputs),
+      out_type={o: jax.ShapeDtypeStruct(shapes[o], dtype) for o in outputs},
       scratch_types=scratch,
       grid=(n_heads, s_len // (wgs * bk), bsz),
       grid_names=("heads", "k_tiles", "batch"),
@@ -280,3 +283,4 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: 
       thread_name="wg",
       compiler_params=st.compiler_params(),
   )(a, b, v, do, lse, delta, q_pos, k_pos, table)
+  return tuple(out[o] for o in outputs)

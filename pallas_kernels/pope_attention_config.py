@@ -23,8 +23,9 @@ class BlockSizes:
     ping_pong: forward only: the two compute warpgroups take turns on the tensor cores, one's
       softmax overlapping the other's matmuls (FlashAttention-3 §3.1). On by default here;
       `default_block_sizes` turns it off at head dim 128.
-    split_dkv: compute dk and dv in two launches rather than one (`pope_attention_dkv`): more
-      matmul work, but no register spills where the one launch's accumulators do not fit
+    split_dkv: compute the key-side gradients db (of the Cartesian keys) and dv in two launches
+      rather than one (`pope_attention_dkv`): the dv launch repeats a bᵀ and the pass over the
+      queries, but neither spills registers where the one launch's accumulators do not fit
       (`default_block_sizes` turns it on at head dim 128).
   """
   block_q: int = 64

@@ -57,8 +57,8 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
   ping_pong = blocks.ping_pong and not st.interpreted()
 
   def pope_fwd_kernel(a_ref, b_ref, v_ref, qpos_ref, kpos_ref, tab_ref, o_ref, lse_ref,
-             a_smem, o_smem, qpos_smem, lse_smem, b_smem, v_smem, kpos_smem,
-             a_bar, qpos_bar, b_bar, v_bar, kpos_bar, consumed, schedule):
+                      a_smem, o_smem, qpos_smem, lse_smem, b_smem, v_smem, kpos_smem,
+                      a_bar, qpos_bar, b_bar, v_bar, kpos_bar, consumed, schedule):
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
     cta = st.longest_first(lax.axis_index("q_tiles"), n_ctas)

@@ -257,19 +257,30 @@ def pope_cartesian(
   return polar_to_cartesian(x, ang, phase)
 
 
-def _cos_sin(ang: Array, phase: Array | None) -> tuple[Array, Array]:
+def _loop_size(x: Array, ang: Array) -> int:
+  return math.prod(jnp.broadcast_shapes(x.shape, ang.shape))
+
+
+def _table(ang: Array, full_size: int) -> tuple[Array, Array]:
+  """cos and sin of `ang`, kept out of the per-element loop when smaller than it."""
+  trig = (jnp.cos(ang), jnp.sin(ang))
+  return jax.lax.optimization_barrier(trig) if ang.size < full_size else trig
+
+
+def _cos_sin(ang: Array, phase: Array | None, full_size: int) -> tuple[Array, Array]:
   """cos φ and sin φ of φ = ang + phase, from the two factors' own cos and sin.
 
   The trigonometric functions run on the factors (positions × frequencies, and heads ×
   frequencies), which XLA materialises as small tables; the per-element work is then the
   angle-addition formula (a few multiply-adds), not a float32 cos and sin per element, which
   made the elementwise pass compute-bound. `optimization_barrier` keeps XLA from fusing the
-  tables' trigonometry back into the per-element loop.
+  tables' trigonometry back into the per-element loop; a factor as large as the loop
+  (`full_size` elements, e.g. batched positions with per-head multipliers) stays fused.
   """
-  cos_a, sin_a = jax.lax.optimization_barrier((jnp.cos(ang), jnp.sin(ang)))
+  cos_a, sin_a = _table(ang, full_size)
   if phase is None:
     return cos_a, sin_a
-  cos_p, sin_p = jax.lax.optimization_barrier((jnp.cos(phase), jnp.sin(phase)))
+  cos_p, sin_p = _table(phase, full_size)
   return cos_a * cos_p - sin_a * sin_p, sin_a * cos_p + cos_a * sin_p
 
 
@@ -300,14 +311,14 @@ def polar_to_cartesian(x: Array, ang: Array, phase: Array | None = None) -> Arra
   if ang.ndim != x.ndim:
     raise ValueError(f"angles must have x's rank {x.ndim} (broadcastable to {x.shape}), got "
                      f"shape {ang.shape}")
-  cos, sin = _cos_sin(ang, phase)
+  cos, sin = _cos_sin(ang, phase, _loop_size(x, ang))
   mag = pope_magnitudes(jnp.concatenate([x, x], axis=-1))
   h = cos.shape[-1]
   return mag * jnp.where(jnp.arange(2 * h) < h, jnp.concatenate([cos, cos], axis=-1),
                          jnp.concatenate([sin, sin], axis=-1))
 
 
-def _polar_to_cartesian_fwd(x, ang, phase=None):
+def _polar_to_cartesian_fwd(x, ang, phase):
   return polar_to_cartesian(x, ang, phase), (x, ang, phase)
 
 
@@ -316,7 +327,7 @@ def _polar_to_cartesian_bwd(res, g):
   h = x.shape[-1]
   g_cos, g_sin = g[..., :h].astype(jnp.float32), g[..., h:].astype(jnp.float32)
   xf = x.astype(jnp.float32)
-  cos, sin = _cos_sin(ang, phase)
+  cos, sin = _cos_sin(ang, phase, _loop_size(x, ang))
   dx = jax.nn.sigmoid(xf) * (g_cos * cos + g_sin * sin)
   d_ang = jax.nn.softplus(xf) * (g_sin * cos - g_cos * sin)
   d_phase = None if phase is None else _sum_to(d_ang, phase.shape).astype(phase.dtype)

@@ -130,11 +130,12 @@ def test_unsupported_inputs_raise():
     kernel.pope_attention(q64, q64, q64)
 
 
-@pytest.mark.parametrize("split_dkv", [False, True])
-def test_dk_dv_in_one_or_two_launches(split_dkv):
-  # The default at H = 64 is one launch, at H = 128 two; both schedules at H = 64 here.
-  q, k, v, delta, cot = _problem((1, 2, 1, 64), 90, 120, seed=7)
-  blocks = dataclasses.replace(default_block_sizes(64), split_dkv=split_dkv)
+@pytest.mark.parametrize("head_dim, split_dkv", [(64, False), (64, True), (128, False)])
+def test_dk_dv_in_one_or_two_launches(head_dim, split_dkv):
+  # The defaults (one launch at H = 64, two at H = 128; the latter in the hypothesis test) and
+  # the other schedule at each head dim.
+  q, k, v, delta, cot = _problem((1, 2, 1, head_dim), 90, 120, seed=7)
+  blocks = dataclasses.replace(default_block_sizes(head_dim), split_dkv=split_dkv)
 
   def loss(q, k, v, delta):
     out = kernel.pope_attention(q, k, v, delta, is_causal=True, block_sizes=blocks)
@@ -151,7 +152,7 @@ def test_dkv_outputs_validate():
   x = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
   row = jnp.zeros((1, 1, 128), jnp.float32)
   args = (x, x, x[..., :64], x[..., :64], row, row, row[0], row[0], None)
-  for outputs in ((), ("dq",), ("db", "db")):
+  for outputs in ((), ("dq",), ("db", "db"), ["db", "dk"]):
     with pytest.raises(ValueError, match="outputs"):
       pope_attention_dkv(*args, blocks=default_block_sizes(64), outputs=outputs)
 
