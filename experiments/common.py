@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import math
@@ -12,7 +13,7 @@ from typing import Any
 
 import jax
 
-from pope_jax import atomic
+from pope_jax import atomic, train
 
 
 def run_metadata(seed: int | None = None) -> dict[str, Any]:
@@ -136,3 +137,14 @@ def with_steps(train, steps: int):
   return dataclasses.replace(train, steps=steps, eval_every=min(train.eval_every, every),
                              checkpoint_every=min(train.checkpoint_every, every),
                              log_every=min(train.log_every, every))
+
+
+@contextlib.contextmanager
+def usage_errors(parser: argparse.ArgumentParser):
+  """Reports an output folder that does not fit the command (`train.ResumeError`: a saved run
+  with other settings; FileExistsError: checkpoints without --resume) as a usage error that
+  names the folder, not as a traceback."""
+  try:
+    yield
+  except (train.ResumeError, FileExistsError) as e:
+    parser.error(str(e))

@@ -95,10 +95,11 @@ def main(argv: list[str] | None = None) -> dict:
   lm.add_common_flags(parser, "runs/language_model")
   parser.add_argument("--max-windows", type=int, help="validation windows to average over")
   args = parser.parse_args(argv)
-  return run(lm.resolve_preset(args), args.out,
-             max_windows=args.max_windows or MAX_WINDOWS[args.preset], resume=args.resume,
-             progress=not args.no_progress, data_dir=args.data_dir,
-             splits=lm.parse_splits(args.splits))
+  with common.usage_errors(parser):
+    return run(lm.resolve_preset(args), args.out,
+               max_windows=args.max_windows or MAX_WINDOWS[args.preset], resume=args.resume,
+               progress=not args.no_progress, data_dir=args.data_dir,
+               splits=lm.parse_splits(args.splits))
 
 
 if __name__ == "__main__":

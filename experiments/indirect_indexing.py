@@ -29,7 +29,7 @@ from experiments import common
 from pope_jax.config import MODEL_PRESETS, ModelConfig, TrainConfig
 from pope_jax.data import indirect_indexing as task
 from pope_jax.model import Transformer
-from pope_jax.train import config_diff, has_checkpoints, train_and_evaluate
+from pope_jax.train import ResumeError, config_diff, has_checkpoints, train_and_evaluate
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -111,7 +111,7 @@ def run_encoding(preset: Preset, encoding: str, seeds: list[int], out: Path, *, 
   Returns one result dict per seed (also written to OUT/<encoding>/result.json).
 
   Raises:
-    ValueError: resume=True and OUT/<encoding> holds a finished run with other settings.
+    ResumeError: resume=True and OUT/<encoding> holds a finished run with other settings.
     NotADirectoryError: OUT/<encoding>/checkpoints is a file.
   """
   workdir = out / encoding
@@ -123,8 +123,8 @@ def run_encoding(preset: Preset, encoding: str, seeds: list[int], out: Path, *, 
     diff = config_diff(done["config"], json.loads(json.dumps(common.to_jsonable(config))))
     diff += ["seeds"] if done["seeds"] != seeds else []
     if diff:
-      raise ValueError(f"--resume: {result_file} holds a finished run with another configuration "
-                       f"or seeds (differs in {', '.join(diff)}); use another --out")
+      raise ResumeError(f"--resume: {result_file} holds a finished run with another configuration "
+                        f"or seeds (differs in {', '.join(diff)}); use another --out")
     return done["runs"]
   # --resume continues an encoding that has checkpoints and starts one that has none yet (a file
   # named checkpoints is an error, not "not begun").
@@ -243,11 +243,12 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as e:
       parser.error(str(e))
     try:
-      for enc in encodings:
-        for r in run_encoding(preset, enc, seeds, args.out, resume=args.resume,
-                              progress=not args.no_progress):
-          print(f"{enc} seed {r['seed']}: test accuracy {100 * r['test_accuracy']:.2f} %",
-                flush=True)
+      with common.usage_errors(parser):
+        for enc in encodings:
+          for r in run_encoding(preset, enc, seeds, args.out, resume=args.resume,
+                                progress=not args.no_progress):
+            print(f"{enc} seed {r['seed']}: test accuracy {100 * r['test_accuracy']:.2f} %",
+                  flush=True)
     except KeyboardInterrupt:
       raise SystemExit(f"interrupted: finished checkpoints are kept in {args.out}; continue with "
                        f"the same command and --resume") from None

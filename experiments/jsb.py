@@ -143,8 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
   for enc in [e.strip() for e in args.encodings.split(",") if e.strip()]:
     if enc not in ("rope", "pope"):
       raise SystemExit(f"--encodings: unknown encoding {enc!r}")
-    r = run_one(preset, enc, args.out, resume=args.resume, progress=not args.no_progress,
-                cache_dir=args.cache_dir)
+    with common.usage_errors(parser):
+      r = run_one(preset, enc, args.out, resume=args.resume, progress=not args.no_progress,
+                  cache_dir=args.cache_dir)
     print(f"{enc}: test NLL {r['test_nll']:.4f}", flush=True)
     runs.append(r)
   return summarize(args.out, runs, args.preset)

@@ -241,9 +241,10 @@ def main(argv: list[str] | None = None) -> dict:
   for enc in [e.strip() for e in args.encodings.split(",") if e.strip()]:
     if enc not in ("rope", "pope"):
       raise SystemExit(f"--encodings: unknown encoding {enc!r}")
-    record, _, _ = train_model(preset, enc, args.out, resume=args.resume,
-                               progress=not args.no_progress, data_dir=args.data_dir,
-                               splits=parse_splits(args.splits))
+    with common.usage_errors(parser):
+      record, _, _ = train_model(preset, enc, args.out, resume=args.resume,
+                                 progress=not args.no_progress, data_dir=args.data_dir,
+                                 splits=parse_splits(args.splits))
     print(f"{enc}: validation perplexity {record['valid_perplexity']:.2f}", flush=True)
     runs.append(record)
   return summarize(args.out, runs, args.preset)

@@ -155,9 +155,10 @@ def main(argv: list[str] | None = None) -> dict:
     lm_preset = lm.resolve_preset(args)
   except ValueError as e:  # A config that refuses a flag's value: a usage error.
     parser.error(str(e))
-  return run(preset, lm_preset, args.out, resume=args.resume,
-             progress=not args.no_progress, data_dir=args.data_dir,
-             splits=lm.parse_splits(args.splits), eval_batch_size=args.eval_batch_size)
+  with common.usage_errors(parser):
+    return run(preset, lm_preset, args.out, resume=args.resume,
+               progress=not args.no_progress, data_dir=args.data_dir,
+               splits=lm.parse_splits(args.splits), eval_batch_size=args.eval_batch_size)
 
 
 if __name__ == "__main__":

@@ -218,7 +218,10 @@ def main(argv=None) -> None:
   if args.method == "lpes":
     if not args.scales:
       p.error("--method lpes needs --scales results.json")
-    search.load_scales(args.scales)  # Bad files fail here, before the slow model load.
+    try:  # Bad files fail here, before the slow model load.
+      search.load_scales(args.scales)
+    except (OSError, ValueError) as e:
+      p.error(f"--scales: {e}")
   os.makedirs(args.out, exist_ok=True)
   record = evaluate(args)
   path = os.path.join(args.out, f"eval_{args.task}_{args.method}.json")

@@ -39,7 +39,30 @@ def build_batch(args, tok, cfg) -> search.FitnessBatch:
                            max_len=cfg.max_position_embeddings)
 
 
-def main(argv=None) -> None:
+def search_config(args: argparse.Namespace) -> search.SearchConfig:
+  """The GA settings of the flags. Unset --parents, --mutations, --crossovers split the
+  population as the defaults do (16 / 8 / 8 of 32): half kept, the rest shared by the two
+  operators (evenly, or all of it to the one not set).
+
+  Raises:
+    ValueError: the settings do not fit together (see `search.SearchConfig`).
+  """
+  parents = args.population // 2 if args.parents is None else args.parents
+  rest = args.population - parents
+  mutations, crossovers = args.mutations, args.crossovers
+  if mutations is None and crossovers is None:
+    mutations = rest // 2
+  if mutations is None:
+    mutations = rest - crossovers
+  if crossovers is None:
+    crossovers = rest - mutations
+  args.parents, args.mutations, args.crossovers = parents, mutations, crossovers  # As recorded.
+  return search.SearchConfig(population_size=args.population, num_generations=args.generations,
+                             num_parents=parents, num_mutations=mutations,
+                             num_crossovers=crossovers, weights=args.weights, seed=args.seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   add_task_flags(p)
   p.add_argument("--num-examples", type=int, default=200, help="search examples (all subsets)")
@@ -48,9 +71,12 @@ def main(argv=None) -> None:
   p.add_argument("--answer-prefix", default=None, help="target prefix (KV ' \"', MDQA ' ')")
   p.add_argument("--population", type=int, default=32)
   p.add_argument("--generations", type=int, default=12)
-  p.add_argument("--parents", type=int, default=16)
-  p.add_argument("--mutations", type=int, default=8)
-  p.add_argument("--crossovers", type=int, default=8)
+  p.add_argument("--parents", type=int, default=None,
+                 help="best individuals kept per generation (default: half the population)")
+  p.add_argument("--mutations", type=int, default=None,
+                 help="children by mutation (default: half of the rest)")
+  p.add_argument("--crossovers", type=int, default=None,
+                 help="children by crossover (default: what remains of the population)")
   p.add_argument("--control-points", type=int, default=4)
   p.add_argument("--grid", type=lambda s: tuple(float(x) for x in s.split(",")),
                  default=bezier.DEFAULT_GRID)
@@ -58,17 +84,24 @@ def main(argv=None) -> None:
                  default=(1 / 3, 1 / 3, 1 / 3))
   p.add_argument("--example-batch", type=int, default=8, help="examples per forward per device")
   p.add_argument("--resume", action="store_true", help="continue the state in --out")
+  return p
+
+
+def main(argv=None) -> None:
+  p = build_parser()
   args = p.parse_args(argv)
   if args.answer_prefix is None:
     args.answer_prefix = ' "' if args.task == "kv" else " "
+  try:  # Before the slow model load; the config names its fields, the flags follow.
+    scfg = search_config(args)
+  except ValueError as e:
+    p.error(f"{e} (flags --population, --generations, --parents, --mutations, --crossovers, "
+            f"--weights)")
 
   model, params, cfg, tok = load_model(args)
   batch = build_batch(args, tok, cfg)
   bez = bezier.BezierConfig(num_layers=cfg.num_layers, num_control_points=args.control_points,
                             grid=args.grid)
-  scfg = search.SearchConfig(population_size=args.population, num_generations=args.generations,
-                             num_parents=args.parents, num_mutations=args.mutations,
-                             num_crossovers=args.crossovers, weights=args.weights, seed=args.seed)
   forward = search.llama_forward(model) if args.mode == "teacher_forced" else None
   greedy = search.llama_greedy(model) if args.mode == "greedy" else None
   fitness = search.make_fitness_fn(params, batch, mode=args.mode, forward=forward, greedy=greedy,

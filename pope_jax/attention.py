@@ -103,6 +103,13 @@ def dot_product_attention_reference(
   return out.reshape(b, t, n, v.shape[-1])
 
 
+def _check_multiplier(multiplier, query: Array) -> None:
+  """A multiplier is None, a scalar or one value per query head."""
+  if multiplier is not None and jnp.ndim(multiplier) and jnp.shape(multiplier) != query.shape[2:3]:
+    raise ValueError(f"multiplier must be a scalar or have shape [num_heads] = "
+                     f"[{query.shape[2]}] (the query's heads), got {jnp.shape(multiplier)}")
+
+
 def _positions(q: Array, k: Array, q_positions, k_positions, key_mask
                ) -> tuple[Array, Array]:
   """Positions (defaults filled in) after checking their and key_mask's shapes and dtypes."""
@@ -208,6 +215,7 @@ def pope_attention(
     cannot run these inputs (never a silent fallback).
   """
   _check_qkv(query, key, value)
+  _check_multiplier(multiplier, query)
   delta = None if delta is None else jnp.asarray(delta)
   q_pos, k_pos = _positions(query, key, q_positions, k_positions, key_mask)
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
@@ -277,6 +285,7 @@ def rope_attention(
         "one bf16/fp16 dtype for query, key and value with V == H <= 128 (H % 8 == 0); got "
         f"query {query.dtype} {query.shape}, key {key.dtype} {key.shape}, value {value.dtype} "
         f"{value.shape}; use implementation='xla'")
+  _check_multiplier(multiplier, query)
   q_pos, k_pos = _positions(query, key, q_positions, k_positions, key_mask)
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
   rope = dict(base=base, layout=layout, frequencies=frequencies)

@@ -53,6 +53,11 @@ Array = jax.Array
 Batch = Mapping[str, Array]
 
 
+class ResumeError(ValueError):
+  """A run folder that does not fit the request: its saved run has other settings, or its
+  run.json cannot be read. The message names the folder and the differing fields."""
+
+
 @flax.struct.dataclass
 class TrainState:
   step: Array          # [] int32, optimiser steps taken
@@ -338,10 +343,10 @@ def checkpoint_manager(workdir: Path, run_info: dict, *, resume: bool) -> ocp.Ch
     try:
       saved = json.loads(info_file.read_text()) if info_file.exists() else None
     except json.JSONDecodeError as e:
-      raise ValueError(f"cannot resume: {info_file} is not valid JSON ({e})") from e
+      raise ResumeError(f"cannot resume: {info_file} is not valid JSON ({e})") from e
     diff = [] if saved is None else config_diff(saved, info)
     if diff:
-      raise ValueError(f"cannot resume {workdir}: its run.json differs in {', '.join(diff)}")
+      raise ResumeError(f"cannot resume {workdir}: its run.json differs in {', '.join(diff)}")
   elif jax.process_index() == 0:  # Multi-host: one writer of the shared folder's files.
     atomic.write_json(info_file, info)
   options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True,

@@ -15,7 +15,7 @@ def _strict_json(path):
   return json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{path}: {c}"))
 
 
-def test_smoke_preset_writes_table_json_and_plot_and_resumes(tmp_path):
+def test_smoke_preset_writes_table_json_and_plot_and_resumes(tmp_path, capsys):
   summary = indirect_indexing.main(["--preset", "smoke", "--seeds", "0,1", "--out",
                                     str(tmp_path), "--no-progress"])
   assert set(summary) == {"rope", "pope"}
@@ -39,20 +39,26 @@ def test_smoke_preset_writes_table_json_and_plot_and_resumes(tmp_path):
   again = indirect_indexing.main(["--preset", "smoke", "--seeds", "0,1", "--out", str(tmp_path),
                                   "--resume", "--no-progress"])
   assert again == summary
-  # A fresh start into the same folder is refused rather than overwriting checkpoints.
-  with pytest.raises(FileExistsError, match="checkpoints"):
+  # A fresh start into the same folder is refused (a usage error naming the folder) rather than
+  # overwriting checkpoints.
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as e:
     indirect_indexing.main(["--preset", "smoke", "--seeds", "0,1", "--encodings", "rope",
                             "--out", str(tmp_path), "--no-progress"])
+  assert e.value.code == 2
+  assert f"{tmp_path / 'rope'}" in capsys.readouterr().err
 
 
-def test_resume_starts_encodings_not_begun_and_refuses_other_configs(tmp_path):
+def test_resume_starts_encodings_not_begun_and_refuses_other_configs(tmp_path, capsys):
   common = ["--preset", "smoke", "--out", str(tmp_path), "--no-progress"]
   indirect_indexing.main(common + ["--encodings", "rope"])
   summary = indirect_indexing.main(common + ["--encodings", "rope,pope", "--resume"])
   assert set(summary) == {"rope", "pope"}
-  with pytest.raises(ValueError, match=r"another configuration or seeds \(differs in "
-                                       r"train\.batch_size\)"):
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as e:
     indirect_indexing.main(common + ["--encodings", "rope", "--resume", "--batch-size", "8"])
+  assert e.value.code == 2
+  assert "another configuration or seeds (differs in train.batch_size)" in capsys.readouterr().err
   # The worker count does not change results: the finished run is reused.
   again = indirect_indexing.main(common + ["--encodings", "rope", "--resume",
                                            "--data-workers", "1"])

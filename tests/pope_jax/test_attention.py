@@ -235,3 +235,12 @@ def test_default_implementation_picks_the_kernel_only_where_it_runs(monkeypatch)
   assert pick(q16, q16, q16, 0.5, None) == "xla"                          # multiplier
   monkeypatch.setattr(jax, "devices", lambda: [FakeDevice("gpu", "8.0")])
   assert pick(q16, q16, q16, None, None) == "xla"                         # not Hopper
+
+
+@pytest.mark.parametrize("fn", [attention.pope_attention, attention.rope_attention])
+def test_multiplier_of_the_wrong_length_names_multiplier_and_query_heads(fn):
+  q, k, v, delta = _qkv(n=4, k=2)
+  args = (q, k, v, delta) if fn is attention.pope_attention else (q, k, v)
+  with pytest.raises(ValueError, match=r"multiplier must be a scalar or have shape \[num_heads\] "
+                                       r"= \[4\]"):
+    fn(*args, multiplier=jnp.ones(3))
