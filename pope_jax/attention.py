@@ -147,6 +147,8 @@ def _check_delta(delta: Array, q: Array) -> Array:
   if delta.shape != q.shape[2:]:
     raise ValueError(
         f"delta must have shape [num_heads, head_dim] = {tuple(q.shape[2:])}, got {delta.shape}")
+  if jnp.issubdtype(delta.dtype, jnp.complexfloating):
+    raise TypeError(f"delta must be real (phase in radians), got {delta.dtype}")
   return delta.astype(jnp.float32)
 
 

@@ -244,3 +244,9 @@ def test_multiplier_of_the_wrong_length_names_multiplier_and_query_heads(fn):
   with pytest.raises(ValueError, match=r"multiplier must be a scalar or have shape \[num_heads\] "
                                        r"= \[4\]"):
     fn(*args, multiplier=jnp.ones(3))
+
+
+def test_complex_delta_is_refused():
+  q, k, v, delta = _qkv()
+  with pytest.raises(TypeError, match="delta must be real"):
+    attention.pope_attention(q, k, v, delta.astype(jnp.complex64))
