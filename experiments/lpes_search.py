@@ -21,6 +21,7 @@ import numpy as np
 
 from experiments.lpes_eval import add_task_flags, encode_prompt, load_model, num_items, task_examples
 from lpes_jax import bezier, search
+from pope_jax import atomic
 from lpes_jax.tasks import begin_middle_end
 
 
@@ -60,6 +61,17 @@ def search_config(args: argparse.Namespace) -> search.SearchConfig:
   return search.SearchConfig(population_size=args.population, num_generations=args.generations,
                              num_parents=parents, num_mutations=mutations,
                              num_crossovers=crossovers, weights=args.weights, seed=args.seed)
+
+
+# Flags that do not change a candidate's fitness (where to write, how to batch, the GA settings,
+# which the search state records on its own).
+_NOT_FITNESS = ("out", "resume", "example_batch", "population", "generations", "parents",
+                "mutations", "crossovers", "control_points", "grid", "weights")
+
+
+def fitness_id(args: argparse.Namespace) -> dict:
+  """What the fitness scores (model, task, examples, mode): a resume must match it."""
+  return {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_FITNESS}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,7 +128,8 @@ def main(argv=None) -> None:
     return out
 
   t0 = time.perf_counter()
-  result = search.run_search(timed, bez, scfg, args.out, resume=args.resume, extra={
+  result = search.run_search(timed, bez, scfg, args.out, resume=args.resume,
+                             fitness_id=fitness_id(args), extra={
       "args": vars(args), "num_devices": jax.device_count(),
       "device": str(jax.devices()[0].device_kind)})
   total = time.perf_counter() - t0
@@ -126,9 +139,9 @@ def main(argv=None) -> None:
   print(f"best fitness {result.fitness:.3f}, subsets {dict(zip(search.SUBSETS, result.subset_accuracy.round(3)))}")
   print(f"search wall time {total:.1f} s; {counter['candidates']} candidates x {n} examples; "
         f"throughput {thr:.1f} candidate-examples/s (compile included)")
-  with open(f"{args.out}/search_timing.txt", "w") as f:
-    f.write(f"wall_s={total:.2f} candidates={counter['candidates']} examples={n} "
-            f"fitness_s={counter['seconds']:.2f} throughput={thr:.2f}\n")
+  atomic.write_text(f"{args.out}/search_timing.txt",
+                    f"wall_s={total:.2f} candidates={counter['candidates']} examples={n} "
+                    f"fitness_s={counter['seconds']:.2f} throughput={thr:.2f}\n")
 
 
 if __name__ == "__main__":

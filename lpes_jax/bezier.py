@@ -76,8 +76,15 @@ def validate_scales(scales, *, name: str = "scales") -> np.ndarray:
 
 
 def scales_to_multipliers(scales) -> np.ndarray:
-  """Frequency multipliers 1/s (float32, same shape) after `validate_scales`."""
-  return (1.0 / validate_scales(scales)).astype(np.float32)
+  """Frequency multipliers 1/s (float32, same shape) after `validate_scales`.
+
+  Raises:
+    ValueError: invalid scales, or scales so small that 1/s overflows float32.
+  """
+  inverse = 1.0 / validate_scales(scales)
+  if np.any(inverse > np.finfo(np.float32).max):
+    raise ValueError(f"scales too small: 1/s overflows float32 for {np.asarray(scales).tolist()}")
+  return inverse.astype(np.float32)
 
 
 def validate_genome(genome, config: BezierConfig) -> np.ndarray:

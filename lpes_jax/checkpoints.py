@@ -195,6 +195,18 @@ def _check_tree(params: dict[str, Any], cfg: LlamaConfig) -> None:
 
 # --- Hugging Face folders -------------------------------------------------------------------------
 
+def _read_json(path: str) -> dict:
+  """A JSON object from `path`; ValueError naming the file if it is not one."""
+  try:
+    with open(path) as fh:
+      obj = json.load(fh)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}: not valid JSON ({e})") from None
+  if not isinstance(obj, dict):
+    raise ValueError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+  return obj
+
+
 def _safetensors_files(folder: str) -> tuple[dict[str, str], list[str]]:
   """name → file for a folder's model.safetensors or sharded index; also the files list."""
   from safetensors import safe_open
@@ -202,8 +214,9 @@ def _safetensors_files(folder: str) -> tuple[dict[str, str], list[str]]:
   index_path = os.path.join(folder, "model.safetensors.index.json")
   single = os.path.join(folder, "model.safetensors")
   if os.path.exists(index_path):
-    with open(index_path) as fh:
-      weight_map = json.load(fh)["weight_map"]
+    weight_map = _read_json(index_path).get("weight_map")
+    if not isinstance(weight_map, dict):
+      raise ValueError(f"{index_path}: no 'weight_map' object (tensor name -> shard file)")
     files = sorted(set(weight_map.values()))
   elif os.path.exists(single):
     weight_map, files = None, ["model.safetensors"]
@@ -244,8 +257,7 @@ def load_hf_config(folder: str, *, dtype: str = "float32", **overrides) -> Llama
   path = os.path.join(folder, "config.json")
   if not os.path.exists(path):
     raise FileNotFoundError(f"{folder}: missing config.json")
-  with open(path) as fh:
-    d = json.load(fh)
+  d = _read_json(path)
   cfg = LlamaConfig.from_hf_dict(d, dtype=dtype, where=path)
   return dataclasses.replace(cfg, **overrides) if overrides else cfg
 

@@ -107,7 +107,9 @@ class LlamaConfig:
       ValueError: unknown model_type, unsupported activation / rope type / mlp_bias, naming the
         field and `where`.
     """
-    model_type = d.get("model_type")
+    if "model_type" not in d:
+      raise ValueError(f"{where}: missing required field 'model_type' (one of {MODEL_TYPES})")
+    model_type = d["model_type"]
     if model_type not in MODEL_TYPES:
       raise ValueError(f"{where}: model_type {model_type!r} is not supported; supported: "
                        f"{MODEL_TYPES}")
@@ -118,8 +120,15 @@ class LlamaConfig:
       raise ValueError(f"{where}: mlp_bias=true is not supported")
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads"):
-      if key not in d:
+      if d.get(key) is None:
         raise ValueError(f"{where}: missing required field {key!r}")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim",
+                "max_position_embeddings"):
+      value = d.get(key)
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                or value <= 0):
+        raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}")
     rope_params = d.get("rope_parameters")
     if rope_params is not None:
       if "rope_theta" not in rope_params and all(isinstance(v, dict) for v in rope_params.values()):
@@ -142,15 +151,20 @@ class LlamaConfig:
       window = d.get("sliding_window") if model_type == "mistral" else None
     eos = d.get("eos_token_id")
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
-    return cls(
-        model_type=model_type, vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(d["intermediate_size"]), num_layers=int(d["num_hidden_layers"]),
-        num_heads=n, num_kv_heads=int(d.get("num_key_value_heads") or n), head_dim=int(head_dim),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
-        rope_scaling=scaling, max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
-        o_bias=o_bias, sliding_window=window, dtype=dtype, bos_token_id=d.get("bos_token_id"),
-        eos_token_ids=eos_ids, pad_token_id=d.get("pad_token_id"))
+    try:  # The dataclass checks combinations (e.g. heads); name the file.
+      return cls(
+          model_type=model_type, vocab_size=int(d["vocab_size"]),
+          hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
+          num_layers=int(d["num_hidden_layers"]), num_heads=n,
+          num_kv_heads=int(d.get("num_key_value_heads") or n), head_dim=int(head_dim),
+          rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
+          rope_scaling=scaling,
+          max_position_embeddings=int(d.get("max_position_embeddings") or 4096),
+          tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
+          o_bias=o_bias, sliding_window=window, dtype=dtype, bos_token_id=d.get("bos_token_id"),
+          eos_token_ids=eos_ids, pad_token_id=d.get("pad_token_id"))
+    except ValueError as e:
+      raise ValueError(f"{where}: {e}") from None
 
   @classmethod
   def from_gguf_metadata(cls, meta: dict[str, Any], *, tied: bool, dtype: str = "float32",

@@ -14,8 +14,10 @@ o) biases, tied or untied LM head. Parameter names follow Hugging Face (`embed_t
 
 LPES: `rope_multipliers` ([], [L] or [L, N]; 1/s interpolates positions by s) is an array input,
 not a parameter or a static field, so one compiled function serves every candidate and `jax.vmap`
-over multipliers works. Per-head multipliers apply to query heads; each kv head takes its group's
-first entry (`pope_jax.attention` convention).
+over multipliers works. Per-head multipliers apply to query heads, so the query heads of one GQA
+group must share a value (`pope_jax.encodings.kv_head_multiplier`: checked, with non-finite values,
+for concrete multipliers; under `jit` or `vmap` it is the caller's contract, as the keys take
+each group's first entry).
 
 Padding and positions: left padding, `attention_mask` [B, T] (1 = token). Positions default to
 cumsum(mask) − 1 per row (pads get position 0), continued after the tokens already in the cache.

@@ -417,10 +417,18 @@ class SearchResult:
   history: list[dict]
 
 
+def _differing_fields(saved: Any, new: Any, prefix: str = "") -> list[str]:
+  """Dotted names of the entries where two JSON values differ."""
+  if isinstance(saved, dict) and isinstance(new, dict):
+    return [f for k in sorted(set(saved) | set(new), key=str)
+            for f in _differing_fields(saved.get(k), new.get(k), f"{prefix}{k}.")]
+  return [] if saved == new else [prefix.rstrip(".") or "(all)"]
+
+
 def run_search(subset_accuracy_fn: Callable[[np.ndarray], np.ndarray],
                bez: bezier.BezierConfig, cfg: SearchConfig, workdir: str, *,
                resume: bool = False, progress: bool = True, extra: dict | None = None,
-               stop_after: int | None = None) -> SearchResult:
+               fitness_id: dict | None = None, stop_after: int | None = None) -> SearchResult:
   """Runs (or resumes) the constrained GA, checkpointing after every generation.
 
   Args:
@@ -431,17 +439,22 @@ def run_search(subset_accuracy_fn: Callable[[np.ndarray], np.ndarray],
       an error, so that no finished generations are overwritten by accident.
     progress: tqdm bar per generation.
     extra: JSON-able run information stored in results.json.
+    fitness_id: JSON-able description of what `subset_accuracy_fn` scores (model, task,
+      examples, fitness mode): saved with the state, so that a resume against another model or
+      task, whose fitness values would not compare, is refused.
     stop_after: stop after this generation index (used to test resumption).
 
   Raises:
     FileExistsError: a state exists and resume is False.
-    ValueError: the saved state's configs differ from bez/cfg.
+    ValueError: the saved state's settings (bez, cfg, fitness_id) differ; the message names the
+      differing fields.
   """
   from tqdm import tqdm
 
   state_path = os.path.join(workdir, STATE_FILE)
   weights = np.asarray(cfg.weights) / np.sum(cfg.weights)
-  signature = {"bezier": dataclasses.asdict(bez), "search": dataclasses.asdict(cfg)}
+  signature = {"bezier": dataclasses.asdict(bez), "search": dataclasses.asdict(cfg),
+               "fitness": fitness_id}
   signature = json.loads(json.dumps(signature))
 
   def evaluate(genomes):
@@ -458,8 +471,9 @@ def run_search(subset_accuracy_fn: Callable[[np.ndarray], np.ndarray],
     with open(state_path) as f:
       state = json.load(f)
     if state["signature"] != signature:
-      raise ValueError(f"{state_path} was written with other settings: {state['signature']} "
-                       f"vs {signature}")
+      diff = _differing_fields(state["signature"], signature)
+      raise ValueError(f"{state_path} was written with other settings (differs in "
+                       f"{', '.join(diff)}); resume with the same ones or use another folder")
     rng = _rng_from_state(state["rng"])
     population = np.asarray(state["population"], np.int64)
     accuracy = np.asarray(state["accuracy"], np.float64)

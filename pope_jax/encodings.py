@@ -102,7 +102,7 @@ def kv_head_multiplier(multiplier, num_heads: int, num_kv_heads: int):
   agreement is checked for concrete values; under `jit` it is the caller's contract.
 
   Raises:
-    ValueError: concrete multipliers that differ within a group.
+    ValueError: concrete multipliers that are not finite, or that differ within a group.
 
   Args:
     multiplier: None, scalar or [N].
@@ -114,6 +114,8 @@ def kv_head_multiplier(multiplier, num_heads: int, num_kv_heads: int):
   if multiplier is None or jnp.ndim(multiplier) == 0 or num_heads == num_kv_heads:
     return multiplier
   groups = jnp.asarray(multiplier).reshape(num_kv_heads, num_heads // num_kv_heads)
+  if not isinstance(groups, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(groups))):
+    raise ValueError(f"multipliers must be finite, got {groups.reshape(-1).tolist()}")
   if not isinstance(groups, jax.core.Tracer) and not bool(jnp.all(groups == groups[:, :1])):
     raise ValueError(f"per-head multipliers must agree within each GQA group of "
                      f"{num_heads // num_kv_heads} query heads, got {groups.tolist()}")

@@ -55,3 +55,13 @@ def test_missing_scales_file_is_a_usage_error(tmp_path, capsys):
                                "--out", str(tmp_path / "out")])
   assert e.value.code == 2
   assert "none.json" in capsys.readouterr().err
+
+
+def test_fitness_id_names_what_is_scored_not_the_ga_settings():
+  def parse(*flags):
+    return lpes_search.fitness_id(lpes_search.build_parser().parse_args(NO_MODEL + list(flags)))
+
+  base = parse()
+  assert base["model"] == NO_MODEL[1] and base["mode"] == "teacher_forced"
+  assert parse("--population", "8", "--out", "elsewhere", "--example-batch", "2") == base
+  assert parse("--num-pairs", "5") != base and parse("--mode", "greedy") != base

@@ -102,6 +102,31 @@ def test_bad_hf_folders(tmp_path):
     load_pretrained(str(folder))
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.pop("model_type"), "missing required field 'model_type'"),
+    (lambda c: c.update(vocab_size=None), "missing required field 'vocab_size'"),
+    (lambda c: c.update(hidden_size="64"), "hidden_size must be a positive integer, got '64'"),
+    (lambda c: c.update(num_hidden_layers=4.7), "num_hidden_layers must be a positive integer"),
+    (lambda c: c.update(num_attention_heads=5), "num_heads=5"),
+])
+def test_bad_config_fields_are_named_with_the_file(tmp_path, edit, message):
+  folder = _copy(tmp_path, "qwen2_bias")
+  _edit_config(folder, edit)
+  with pytest.raises(ValueError, match=f"config.json: .*{message}"):
+    load_pretrained(str(folder))
+
+
+def test_unreadable_json_names_the_file(tmp_path):
+  folder = _copy(tmp_path, "qwen2_bias")
+  (folder / "config.json").write_text("{")
+  with pytest.raises(ValueError, match="config.json: not valid JSON"):
+    load_pretrained(str(folder))
+  folder = _copy(tmp_path / "b", "qwen2_bias")
+  (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+  with pytest.raises(ValueError, match="index.json: no 'weight_map'"):
+    load_pretrained(str(folder))
+
+
 def test_sharded_index_and_duplicates(tmp_path):
   folder = _copy(tmp_path, "llama_mha_llama3")
   tensors = load_file(folder / "model.safetensors")

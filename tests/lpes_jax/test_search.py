@@ -57,9 +57,27 @@ def test_resume_continues_exactly(tmp_path):
   strip = lambda h: [{k: v for k, v in x.items() if k != "seconds"} for x in h]
   assert strip(resumed.history) == strip(full.history)
   np.testing.assert_array_equal(resumed.genome, full.genome)
-  with pytest.raises(ValueError, match="other settings"):
+  with pytest.raises(ValueError, match=r"other settings \(differs in search.num_generations\)"):
     search.run_search(toy_fitness, bez, search.SearchConfig(num_generations=4, **SMALL),
                       str(tmp_path / "b"), progress=False, resume=True)
+
+
+def test_resume_refuses_another_fitness(tmp_path):
+  # Fitness values of another model or task would not compare with the saved ones.
+  bez = bezier.BezierConfig(num_layers=8)
+  cfg = search.SearchConfig(num_generations=3, **SMALL)
+  search.run_search(toy_fitness, bez, cfg, str(tmp_path), progress=False, stop_after=0,
+                    fitness_id={"model": "a.gguf", "mode": "teacher_forced"})
+  with pytest.raises(ValueError, match=r"differs in fitness.model\)"):
+    search.run_search(toy_fitness, bez, cfg, str(tmp_path), progress=False, resume=True,
+                      fitness_id={"model": "b.gguf", "mode": "teacher_forced"})
+  search.run_search(toy_fitness, bez, cfg, str(tmp_path), progress=False, resume=True,
+                    fitness_id={"model": "a.gguf", "mode": "teacher_forced"})
+
+
+def test_scales_whose_inverse_overflows_are_refused():
+  with pytest.raises(ValueError, match="overflows float32"):
+    bezier.scales_to_multipliers([1.0, 1e-40])
 
 
 def test_operators_keep_constraints():

@@ -250,3 +250,9 @@ def test_complex_delta_is_refused():
   q, k, v, delta = _qkv()
   with pytest.raises(TypeError, match="delta must be real"):
     attention.pope_attention(q, k, v, delta.astype(jnp.complex64))
+
+
+def test_non_finite_multipliers_are_named_before_the_gqa_check():
+  q, k, v, delta = _qkv(n=4, k=2)
+  with pytest.raises(ValueError, match="multipliers must be finite"):
+    attention.pope_attention(q, k, v, delta, multiplier=jnp.full(4, jnp.nan))
