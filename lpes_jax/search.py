@@ -35,6 +35,7 @@ import dataclasses
 import json
 import os
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -470,8 +471,14 @@ def run_search(subset_accuracy_fn: Callable[[np.ndarray], np.ndarray],
       raise FileExistsError(f"{state_path} exists: pass resume=True (--resume) to continue it")
     with open(state_path) as f:
       state = json.load(f)
-    if state["signature"] != signature:
-      diff = _differing_fields(state["signature"], signature)
+    saved = state["signature"]
+    if "fitness" not in saved:  # Saved before the fitness was recorded: cannot be checked.
+      warnings.warn(f"{state_path} does not record what its fitness scored (saved by an older "
+                    f"version); resuming on trust that the model, task and examples are the same",
+                    stacklevel=2)
+      saved = dict(saved, fitness=signature["fitness"])
+    if saved != signature:
+      diff = _differing_fields(saved, signature)
       raise ValueError(f"{state_path} was written with other settings (differs in "
                        f"{', '.join(diff)}); resume with the same ones or use another folder")
     rng = _rng_from_state(state["rng"])

@@ -75,6 +75,22 @@ def test_resume_refuses_another_fitness(tmp_path):
                     fitness_id={"model": "a.gguf", "mode": "teacher_forced"})
 
 
+def test_state_saved_without_a_fitness_record_resumes_with_a_warning(tmp_path):
+  bez = bezier.BezierConfig(num_layers=8)
+  cfg = search.SearchConfig(num_generations=3, **SMALL)
+  full = search.run_search(toy_fitness, bez, cfg, str(tmp_path / "a"), progress=False)
+  search.run_search(toy_fitness, bez, cfg, str(tmp_path / "b"), progress=False, stop_after=0)
+  state_path = tmp_path / "b" / search.STATE_FILE
+  state = json.loads(state_path.read_text())
+  del state["signature"]["fitness"]                    # As written by the earlier version.
+  state_path.write_text(json.dumps(state))
+  with pytest.warns(UserWarning, match="does not record what its fitness scored"):
+    resumed = search.run_search(toy_fitness, bez, cfg, str(tmp_path / "b"), progress=False,
+                                resume=True, fitness_id={"model": "m.gguf"})
+  np.testing.assert_array_equal(resumed.genome, full.genome)
+  assert json.loads(state_path.read_text())["signature"]["fitness"] == {"model": "m.gguf"}
+
+
 def test_scales_whose_inverse_overflows_are_refused():
   with pytest.raises(ValueError, match="overflows float32"):
     bezier.scales_to_multipliers([1.0, 1e-40])
