@@ -42,6 +42,10 @@ class BezierConfig:
   pin_ends: bool = True
 
   def __post_init__(self):
+    for field in ("num_layers", "num_control_points"):
+      value = getattr(self, field)
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"BezierConfig.{field} must be an int, got {value!r}")
     if self.num_control_points < 2:
       raise ValueError(f"BezierConfig.num_control_points must be >= 2, got {self.num_control_points}")
     if self.num_layers < self.num_control_points:

@@ -372,9 +372,17 @@ def load_checkpoint(path: str, *, dtype: str = "float32", **overrides) -> tuple[
     path: folder with config.json, or a .gguf file.
     dtype: parameter dtype ("float32", "bfloat16", "float16").
     overrides: LlamaConfig fields to replace (e.g. attention_implementation="jax_nn").
+
+  Raises:
+    FileNotFoundError: path is neither a folder nor a file.
+    ValueError: a file of a Hugging Face folder (config.json, *.safetensors) instead of the
+      folder, or contents that do not load (named by file and field or tensor).
   """
   if os.path.isdir(path):
     return load_hf(path, dtype=dtype, **overrides)
+  if os.path.basename(path) == "config.json" or path.endswith((".safetensors", ".index.json")):
+    raise ValueError(f"{path}: pass the Hugging Face model folder that holds it "
+                     f"({os.path.dirname(path) or '.'}), not the file")
   if path.endswith(".gguf") or os.path.isfile(path):
     return load_gguf(path, dtype=dtype, **overrides)
   raise FileNotFoundError(f"{path}: neither a model folder nor a GGUF file")

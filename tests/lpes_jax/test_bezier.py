@@ -65,3 +65,10 @@ def test_config_errors():
     bezier.BezierConfig(num_layers=8, grid=(1.0, 0.0))
   with pytest.raises(ValueError, match="no value 1.0"):
     bezier.identity_genome(bezier.BezierConfig(num_layers=8, grid=(1.5, 2.0)))
+
+
+@pytest.mark.parametrize("field, value", [("num_layers", 4.0), ("num_control_points", True)])
+def test_config_counts_must_be_ints(field, value):
+  kwargs = {"num_layers": 8, field: value}
+  with pytest.raises(TypeError, match=f"BezierConfig.{field} must be an int"):
+    bezier.BezierConfig(**kwargs)

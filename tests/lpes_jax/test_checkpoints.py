@@ -116,6 +116,13 @@ def test_bad_config_fields_are_named_with_the_file(tmp_path, edit, message):
     load_pretrained(str(folder))
 
 
+def test_a_file_of_a_hf_folder_is_refused_naming_the_folder(tmp_path):
+  folder = _copy(tmp_path, "qwen2_bias")
+  for name in ("config.json", "model.safetensors"):
+    with pytest.raises(ValueError, match="pass the Hugging Face model folder"):
+      load_pretrained(str(folder / name))
+
+
 def test_unreadable_json_names_the_file(tmp_path):
   folder = _copy(tmp_path, "qwen2_bias")
   (folder / "config.json").write_text("{")
