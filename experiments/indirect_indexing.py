@@ -29,7 +29,8 @@ from experiments import common
 from pope_jax.config import MODEL_PRESETS, ModelConfig, TrainConfig
 from pope_jax.data import indirect_indexing as task
 from pope_jax.model import Transformer
-from pope_jax.train import ResumeError, config_diff, has_checkpoints, train_and_evaluate
+from pope_jax.train import (RESULT_NEUTRAL_FIELDS, ResumeError, config_diff, has_checkpoints,
+                            train_and_evaluate)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -120,7 +121,8 @@ def run_encoding(preset: Preset, encoding: str, seeds: list[int], out: Path, *, 
   config = {"task": preset.task, "model": model_cfg, "train": preset.train}
   if resume and result_file.exists():
     done = json.loads(result_file.read_text())
-    diff = config_diff(done["config"], json.loads(json.dumps(common.to_jsonable(config))))
+    diff = config_diff(done["config"], json.loads(json.dumps(common.to_jsonable(config))),
+                       RESULT_NEUTRAL_FIELDS)
     diff += ["seeds"] if done["seeds"] != seeds else []
     if diff:
       raise ResumeError(f"--resume: {result_file} holds a finished run with another configuration "

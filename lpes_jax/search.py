@@ -45,6 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lpes_jax import bezier
 from pope_jax import atomic
+from pope_jax.config import config_diff
 
 SUBSETS = ("begin", "middle", "end")
 FITNESS_MODES = ("teacher_forced", "greedy")
@@ -418,14 +419,6 @@ class SearchResult:
   history: list[dict]
 
 
-def _differing_fields(saved: Any, new: Any, prefix: str = "") -> list[str]:
-  """Dotted names of the entries where two JSON values differ."""
-  if isinstance(saved, dict) and isinstance(new, dict):
-    return [f for k in sorted(set(saved) | set(new), key=str)
-            for f in _differing_fields(saved.get(k), new.get(k), f"{prefix}{k}.")]
-  return [] if saved == new else [prefix.rstrip(".") or "(all)"]
-
-
 def run_search(subset_accuracy_fn: Callable[[np.ndarray], np.ndarray],
                bez: bezier.BezierConfig, cfg: SearchConfig, workdir: str, *,
                resume: bool = False, progress: bool = True, extra: dict | None = None,
@@ -478,7 +471,7 @@ def run_search(subset_accuracy_fn: Callable[[np.ndarray], np.ndarray],
                     stacklevel=2)
       saved = dict(saved, fitness=signature["fitness"])
     if saved != signature:
-      diff = _differing_fields(saved, signature)
+      diff = config_diff(saved, signature)
       raise ValueError(f"{state_path} was written with other settings (differs in "
                        f"{', '.join(diff)}); resume with the same ones or use another folder")
     rng = _rng_from_state(state["rng"])

@@ -6,7 +6,7 @@ Presets are built from a base with `dataclasses.replace` and live in `MODEL_PRES
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal, Sequence
 
 PosEncoding = Literal["rope", "pope", "none"]
 POS_ENCODINGS = ("rope", "pope", "none")
@@ -228,3 +228,14 @@ class TrainConfig:
       if getattr(self, name) % self.steps_per_call:
         raise ValueError(f"TrainConfig.{name}={getattr(self, name)} must be a multiple of "
                          f"steps_per_call={self.steps_per_call}")
+
+
+def config_diff(saved: Any, new: Any, ignore: Sequence[str] = (), prefix: str = "") -> list[str]:
+  """Dotted names of the fields in which two JSON configs differ (e.g. "train.batch_size"),
+  leaving out the dotted names in `ignore`."""
+  if prefix in ignore:
+    return []
+  if not (isinstance(saved, dict) and isinstance(new, dict)):
+    return [] if saved == new else [prefix or "(whole file)"]
+  return [d for k in sorted(set(saved) | set(new), key=str)
+          for d in config_diff(saved.get(k), new.get(k), ignore, f"{prefix}.{k}".lstrip("."))]

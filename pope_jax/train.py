@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from pope_jax import atomic
-from pope_jax.config import ModelConfig, TrainConfig
+from pope_jax.config import ModelConfig, TrainConfig, config_diff
 from pope_jax.model import Transformer
 
 Array = jax.Array
@@ -293,17 +293,6 @@ def _read_history(path: Path, up_to: int) -> list[dict]:
 RESULT_NEUTRAL_FIELDS = ("train.data_workers",)
 
 
-def config_diff(saved: Any, new: Any, ignore: Sequence[str] = RESULT_NEUTRAL_FIELDS,
-                prefix: str = "") -> list[str]:
-  """Dotted names of the fields in which two JSON configs differ (e.g. "train.batch_size")."""
-  if prefix in ignore:
-    return []
-  if not (isinstance(saved, dict) and isinstance(new, dict)):
-    return [] if saved == new else [prefix or "(whole file)"]
-  return [d for k in sorted(set(saved) | set(new))
-          for d in config_diff(saved.get(k), new.get(k), ignore, f"{prefix}.{k}".lstrip("."))]
-
-
 def has_checkpoints(workdir: Path) -> bool:
   """Whether `workdir/checkpoints` holds step folders (a run has begun there).
 
@@ -344,7 +333,7 @@ def checkpoint_manager(workdir: Path, run_info: dict, *, resume: bool) -> ocp.Ch
       saved = json.loads(info_file.read_text()) if info_file.exists() else None
     except json.JSONDecodeError as e:
       raise ResumeError(f"cannot resume: {info_file} is not valid JSON ({e})") from e
-    diff = [] if saved is None else config_diff(saved, info)
+    diff = [] if saved is None else config_diff(saved, info, RESULT_NEUTRAL_FIELDS)
     if diff:
       raise ResumeError(f"cannot resume {workdir}: its run.json differs in {', '.join(diff)}")
   elif jax.process_index() == 0:  # Multi-host: one writer of the shared folder's files.
