@@ -198,5 +198,7 @@ def broadcast(x, shape, axis: int):
   return lax.broadcast_in_dim(x, shape, [axis])
 
 
-def tile_transforms():
-  return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+def tile_transforms(width: int = 64):
+  """SMEM tiling and swizzle of a 16-bit tile `width` (a multiple of 32) or more columns wide."""
+  swizzle = min(width, 64) * 2
+  return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))

@@ -3,11 +3,12 @@
 PoPE (arXiv 2509.10534, Eq. 5/6) scores a_ts = Σ_c μq_tc μk_sc cos((s - t)θ_c + δ_c) with
 μ = softplus, θ_c = base^(-c/H). Written as a dot product of 2H-wide Cartesian vectors,
   q'_t = [μq cos(tθ - δ), μq sin(tθ - δ)],  k'_s = [μk cos sθ, μk sin sθ],
-it is ordinary attention over width 2H. This module maps q, k to that form in one fused XLA
-pass (float32 angles, bf16/fp16 result; the scale and log2(e) are folded into q'), then runs the
-flash-attention kernels of `pope_attention_fwd` / `pope_attention_bwd` under a `jax.custom_vjp`.
-The gradients of q, k and δ flow back through the Cartesian map by autodiff (δ's is a reduction
-over batch and positions).
+it is ordinary attention over width 2H. The keys are mapped to that form in one fused XLA pass
+(float32 angles, bf16/fp16 result); the forward kernel reads the raw queries and maps each query
+tile itself (the scale and log2(e) folded into q'), saving the result for the backward kernels
+when differentiated. The flash-attention kernels of `pope_attention_fwd` / `pope_attention_bwd`
+run under a `jax.custom_vjp`; the gradients of q, k and δ flow back through the Cartesian maps
+by their VJPs (δ's is a reduction over batch and positions).
 
 Supported: bf16/fp16 inputs with float32 accumulation, H in {32, 64, 128}, V <= 256, GQA
 (N % K == 0), any sequence lengths (zero-padded internally), query and key positions of shape
@@ -89,18 +90,35 @@ def _pad_to(x, length: int, axis: int, value=0):
   return jnp.pad(x, pad, constant_values=value)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _flash(a, b, v, q_pos, k_pos, tables, blocks: BlockSizes):
-  return _flash_fwd(a, b, v, q_pos, k_pos, tables, blocks)[0]
+def _query_map(q, angle_pos, freqs, phase, magnitude_scale):
+  """The Cartesian queries a of the reference map (PoPE Eq. 7-10, `encodings`), [B, T, N, 2H]
+  in q's dtype; the kernels' `cartesian_tile` computes the same inside the forward."""
+  ang = encodings.angles(angle_pos, freqs)
+  return (encodings.polar_to_cartesian(q, ang, phase) * magnitude_scale).astype(q.dtype)
 
 
-def _flash_fwd(a, b, v, q_pos, k_pos, tables, blocks):
-  out, lse = pope_attention_fwd(a, b, v, q_pos, k_pos, tables[0], blocks=blocks)
-  return out, (a, b, v, q_pos, k_pos, tables, out, lse)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
+def _flash(q, phase, b, v, angle_pos, q_pos, k_pos, freqs, tables, blocks: BlockSizes,
+           magnitude_scale: float):
+  return _forward(q, phase, b, v, angle_pos, q_pos, k_pos, freqs, tables, blocks,
+                  magnitude_scale, save_a=False)[0]
 
 
-def _flash_bwd(blocks, res, d_out):
-  a, b, v, q_pos, k_pos, tables, out, lse = res
+def _forward(q, phase, b, v, angle_pos, q_pos, k_pos, freqs, tables, blocks, magnitude_scale,
+             *, save_a):
+  rot = jnp.stack([jnp.broadcast_to(freqs, phase.shape), phase], axis=1)     # [N, 2, H]
+  return pope_attention_fwd(q, rot, angle_pos, b, v, q_pos, k_pos, tables[0], blocks=blocks,
+                            magnitude_scale=magnitude_scale, save_a=save_a)
+
+
+def _flash_fwd(q, phase, b, v, angle_pos, q_pos, k_pos, freqs, tables, blocks, magnitude_scale):
+  out, lse, a = _forward(q, phase, b, v, angle_pos, q_pos, k_pos, freqs, tables, blocks,
+                         magnitude_scale, save_a=True)
+  return out, (q, phase, a, b, v, angle_pos, q_pos, k_pos, freqs, tables, out, lse)
+
+
+def _flash_bwd(blocks, magnitude_scale, res, d_out):
+  q, phase, a, b, v, angle_pos, q_pos, k_pos, freqs, tables, out, lse = res
   delta = jnp.einsum("btnv,btnv->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
   d_out = d_out.astype(a.dtype)
   args = (a, b, v, d_out, lse, delta, q_pos, k_pos)
@@ -117,33 +135,40 @@ def _flash_bwd(blocks, res, d_out):
       x = x.reshape(bsz, s_len, kv_heads, group, x.shape[-1]).astype(jnp.float32)
       return x.sum(3).astype(a.dtype)
     db, dv = group_sum(db), group_sum(dv)
-  return da, db, dv, jnp.zeros_like(q_pos), jnp.zeros_like(k_pos), None
+  # Through the query map (the kernel's a) by the reference map's VJP.
+  _, map_vjp = jax.vjp(
+      lambda q, phase: _query_map(q, angle_pos, freqs, phase, magnitude_scale), q, phase)
+  dq, dphase = map_vjp(da)
+  zeros = functools.partial(jax.tree.map, jnp.zeros_like)
+  return (dq, dphase, db, dv, zeros(angle_pos), zeros(q_pos), zeros(k_pos), zeros(freqs),
+          None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("base", "is_causal", "scale", "blocks"))
-def _prepare(q, k, v, delta, q_positions, k_positions, *, base, is_causal, scale, blocks):
-  """Cartesian q', k' (scale·log2 e folded into q'), padded operands, positions and tables."""
+@functools.partial(jax.jit, static_argnames=("base", "is_causal", "blocks"))
+def _prepare(q, k, v, delta, q_positions, k_positions, *, base, is_causal, blocks):
+  """Padded operands: raw q, the query phase -δ, Cartesian k', positions and visit tables."""
   bsz, t_len, n_heads, h = q.shape
   s_len, vd = k.shape[1], v.shape[-1]
-  # The reference's Cartesian map (δ on the query side as -δ), scale·log2(e) folded into q'.
-  # Positions keep their [T] / [B, T] shape here: angles broadcast over the batch are cheaper.
-  phase = None if delta is None else -encodings.clamp_phase_bias(delta.astype(jnp.float32))
-  a = (encodings.pope_cartesian(q, q_positions, base=base, phase=phase) * (scale * _LOG2E)
-       ).astype(q.dtype)
+  # δ on the query side as -δ (the same score as δ on the keys, Eq. 5).
+  phase = (jnp.zeros((n_heads, h), jnp.float32) if delta is None
+           else -encodings.clamp_phase_bias(delta.astype(jnp.float32)))
+  freqs = encodings.pope_frequencies(h, base)
+  # Positions keep their [S] / [B, S] shape here: angles broadcast over the batch are cheaper.
   b = encodings.pope_cartesian(k, k_positions, base=base).astype(q.dtype)
-  q_pos = jnp.broadcast_to(jnp.asarray(q_positions), (bsz, t_len))
+  q_pos = jnp.broadcast_to(jnp.asarray(q_positions), (bsz, t_len)).astype(jnp.float32)
   k_pos = jnp.broadcast_to(jnp.asarray(k_positions), (bsz, s_len))
 
   mult = blocks.seq_multiple
   t_pad, s_pad = -(-t_len // mult) * mult, -(-s_len // mult) * mult
   v_pad = -(-vd // 64) * 64
-  a = _pad_to(a, t_pad, 1)
+  qr = _pad_to(q, t_pad, 1)
   b = _pad_to(b, s_pad, 1)
   vp = _pad_to(_pad_to(v, s_pad, 1), v_pad, 3)
-  qp = q_pos.astype(jnp.float32) if is_causal else jnp.full(q_pos.shape, st.QUERY_SEES_ALL)
+  angle_pos = jax.lax.stop_gradient(_pad_to(q_pos, t_pad, 1))
+  qp = q_pos if is_causal else jnp.full(q_pos.shape, st.QUERY_SEES_ALL)
   qp = _pad_to(qp, t_pad, 1, st.QUERY_PAD)
   kp = _pad_to(k_pos.astype(jnp.float32), s_pad, 1, st.KEY_PAD)
   qp, kp = jax.lax.stop_gradient(qp), jax.lax.stop_gradient(kp)
@@ -152,7 +177,7 @@ def _prepare(q, k, v, delta, q_positions, k_positions, *, base, is_causal, scale
       st.visit_table(qp, kp, blocks.block_q_dq, blocks.block_kv_dq, rows_are_queries=True),
       st.visit_table(kp, qp, blocks.block_kv_dkv, blocks.block_q_dkv, rows_are_queries=False),
   )
-  return a, b, vp, qp, kp, tables
+  return qr, phase, b, vp, angle_pos, qp, kp, freqs, tables
 
 
 def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: bool = False,
@@ -191,7 +216,7 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
   if q_positions is None:
     q_positions = jnp.arange(max(s_len - t_len, 0), max(s_len - t_len, 0) + t_len,
                              dtype=jnp.int32)
-  a, b, vp, qp, kp, tables = _prepare(q, k, v, delta, q_positions, k_positions, base=base,
-                                      is_causal=is_causal, scale=scale, blocks=blocks)
-  out = _flash(a, b, vp, qp, kp, tables, blocks)
+  operands = _prepare(q, k, v, delta, q_positions, k_positions, base=base, is_causal=is_causal,
+                      blocks=blocks)
+  out = _flash(*operands, blocks, scale * _LOG2E)
   return out[:, :t_len, :, :v.shape[-1]]

@@ -1,9 +1,11 @@
 """Forward kernel of fused PoPE attention: flash attention over the Cartesian PoPE form.
 
-The kernel takes a = [μq cos(tθ-δ), μq sin(tθ-δ)]·scale·log2(e) and b = [μk cos sθ, μk sin sθ]
-(PoPE, arXiv 2509.10534, Eq. 5/6 written as a dot product of 2H-wide vectors) and computes
-O = softmax₂(a bᵀ) v with masking by position, where softmax₂ uses exp2 (the log2(e) is folded
-into a). It also returns the base-2 log-sum-exp per row for the backward kernels.
+The kernel reads the raw queries q (H wide) and maps each resident tile in registers to
+a = [μq cos(tθ-δ), μq sin(tθ-δ)]·scale·log2(e) (`cartesian_tile`), once per tile; it streams
+b = [μk cos sθ, μk sin sθ] (PoPE, arXiv 2509.10534, Eq. 5/6 written as a dot product of 2H-wide
+vectors) and computes O = softmax₂(a bᵀ) v with masking by position, where softmax₂ uses exp2
+(the log2(e) is folded into a). It also returns the base-2 log-sum-exp per row for the backward
+kernels and, when asked, a itself (their operand), so no separate pass maps the queries.
 
 Shape letters: B batch, T padded query length, S padded key length, N query heads, K kv heads,
 D = 2H q/k width, V value width (a multiple of 64).
@@ -11,9 +13,8 @@ D = 2H q/k width, V value width (a multiple of 64).
 
 from __future__ import annotations
 
-import math
-
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -25,29 +26,71 @@ from pallas_kernels import _streaming as st
 from pallas_kernels.pope_attention_config import BlockSizes
 
 
-@functools.partial(jax.jit, static_argnames=('blocks',))
-def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
+# 2π in two parts for the range reduction of the angles: the first has 8 significant bits, so
+# turns · _TWO_PI_HI is exact for |turns| < 2**16 (angles below ~4e5 rad); above, its rounding
+# adds at most half an ulp of the float32 angle.
+_TWO_PI_HI = 6.28125
+_TWO_PI_LO = 2 * math.pi - _TWO_PI_HI
+
+
+def cartesian_tile(x, pos, freq, phase, magnitude_scale: float, dtype):
+  """In-kernel PoPE Cartesian map of one tile (PoPE Eq. 7-10; `encodings.polar_to_cartesian`).
+
+  Args:
+    x: [R, H] raw projections (any float dtype, WGMMA layout).
+    pos: [R] float32 positions; freq, phase: [H] float32 θ_c and the phase added to pos·θ_c.
+    magnitude_scale: factor applied to softplus(x).
+    dtype: result dtype.
+
+  Returns:
+    [R, 2H] concat(μ cos φ, μ sin φ)·magnitude_scale, φ = pos·θ + phase (float32 angle), μ =
+    softplus(x) = max(x, 0) + log(1 + exp(-|x|)). φ is reduced to [-π, π] (Cody-Waite, 2π in two
+    parts; exact below 4e5 rad) before cos and sin, which run as the hardware approximations on
+    the GPU (absolute error ~1e-6, below bf16's rounding).
+  """
+  rows, h = x.shape
+  ang = (st.broadcast(pos, (rows, h), 0) * st.broadcast(freq, (rows, h), 1)
+         + st.broadcast(phase, (rows, h), 1))
+  turns = jnp.round(ang * (1 / (2 * math.pi)))
+  ang = ang - turns * _TWO_PI_HI - turns * _TWO_PI_LO
+  x = x.astype(jnp.float32)
+  mag = (jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))) * magnitude_scale
+  return jnp.concatenate([mag * jnp.cos(ang), mag * jnp.sin(ang)], axis=1).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=('blocks', 'magnitude_scale', 'save_a'))
+def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks: BlockSizes,
+                       magnitude_scale: float, save_a: bool = False):
   """Runs the forward kernel.
 
   Args:
-    a: [B, T, N, D] bf16/fp16 scaled Cartesian queries.
-    b: [B, S, K, D] Cartesian keys, same dtype.
+    q: [B, T, N, H] bf16/fp16 raw queries (before softplus).
+    rot: [N, 2, H] float32: per head θ_c (row 0) and the query phase -δ_c (row 1).
+    q_angle_pos: [B, T] float32 query positions of the angles (padding rows: any finite value).
+    b: [B, S, K, D] Cartesian keys, same dtype, D = 2H.
     v: [B, S, K, V] values, same dtype.
     q_pos: [B, T] float32 query positions (padding rows: st.QUERY_PAD).
     k_pos: [B, S] float32 key positions (padding rows: st.KEY_PAD).
     table: [B, T / (2 block_q), 10] int32 from `st.visit_table`.
     blocks: tile sizes.
+    magnitude_scale: factor of the query magnitudes (the logit scale times log2 e).
+    save_a: also return the Cartesian queries a.
 
   Returns:
-    out [B, T, N, V] in a's dtype (zero rows where no key is visible) and
-    lse [B, N, T] float32 base-2 log-sum-exp (1e30 where no key is visible).
+    out [B, T, N, V] in q's dtype (zero rows where no key is visible),
+    lse [B, N, T] float32 base-2 log-sum-exp (1e30 where no key is visible) and, if save_a,
+    a [B, T, N, D] in q's dtype.
   """
-  bsz, t_len, n_heads, d = a.shape
+  bsz, t_len, n_heads, h = q.shape
   _, s_len, kv_heads, vd = v.shape
+  d = 2 * h
   group = n_heads // kv_heads
   bq, bk, stages = blocks.block_q, blocks.block_kv, blocks.stages
   n_ctas = t_len // (st.COMPUTE_WGS * bq)
-  dtype = a.dtype
+  dtype = q.dtype
+  # The query tile is staged in the output tile's SMEM when the two have one width (the output
+  # is written only after the last step): at H = 128 a separate buffer would not fit.
+  q_in_o = h == vd
 
   # The CPU interpreter runs each warpgroup as its own XLA:CPU execution, and on a 2-core machine
   # not all of them start at once; the handshake needs both compute warpgroups running together,
@@ -56,9 +99,13 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
   # plain schedule; the GPU check of experiments.bench_attention covers the ping-pong one.
   ping_pong = blocks.ping_pong and not st.interpreted()
 
-  def pope_fwd_kernel(a_ref, b_ref, v_ref, qpos_ref, kpos_ref, tab_ref, o_ref, lse_ref,
-                      a_smem, o_smem, qpos_smem, lse_smem, b_smem, v_smem, kpos_smem,
-                      a_bar, qpos_bar, b_bar, v_bar, kpos_bar, consumed, schedule):
+  def pope_fwd_kernel(q_ref, rot_ref, qang_ref, b_ref, v_ref, qpos_ref, kpos_ref, tab_ref,
+                      o_ref, lse_ref, *rest):
+    if save_a:
+      a_ref, *rest = rest
+    (a_smem, o_smem, qpos_smem, lse_smem, rot_smem, qang_smem, b_smem, v_smem, kpos_smem,
+     q_bar, qpos_bar, b_bar, v_bar, kpos_bar, consumed, schedule, *q_smem) = rest
+    q_smem = o_smem if q_in_o else q_smem[0]
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
     cta = st.longest_first(lax.axis_index("q_tiles"), n_ctas)
@@ -70,9 +117,18 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
       plgpu.set_max_registers(232, action="increase")
       t0 = (cta * st.COMPUTE_WGS + wg) * bq
       rows = pl.ds(t0, bq)
-      plgpu.copy_gmem_to_smem(a_ref.at[batch, rows, head], a_smem.at[wg], a_bar.at[wg])
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[wg], q_bar.at[wg])
+      plgpu.copy_gmem_to_smem(rot_ref.at[head], rot_smem.at[wg], q_bar.at[wg])
+      plgpu.copy_gmem_to_smem(qang_ref.at[batch, rows], qang_smem.at[wg], q_bar.at[wg])
       plgpu.copy_gmem_to_smem(qpos_ref.at[batch, rows], qpos_smem.at[wg], qpos_bar.at[wg])
-      plgpu.barrier_wait(a_bar.at[wg])
+      plgpu.barrier_wait(q_bar.at[wg])
+      a_smem.at[wg][...] = cartesian_tile(
+          plgpu.load(q_smem.at[wg], layout=plgpu.Layout.WGMMA),
+          st.row_vector(qang_smem.at[wg], 0), st.row_vector(rot_smem.at[wg, 0], 1),
+          st.row_vector(rot_smem.at[wg, 1], 1), magnitude_scale, dtype)
+      plgpu.commit_smem()
+      if save_a:
+        plgpu.copy_smem_to_gmem(a_smem.at[wg], a_ref.at[batch, rows, head])
       plgpu.barrier_wait(qpos_bar.at[wg])
       qpos = st.row_vector(qpos_smem.at[wg], 0)
       ranges = st.read_ranges(tab_ref, batch, cta, wg)
@@ -149,10 +205,12 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
       plgpu.SMEM((st.COMPUTE_WGS, bq, vd), dtype, transforms=tf),
       plgpu.SMEM((st.COMPUTE_WGS, bq), jnp.float32),
       plgpu.SMEM((st.COMPUTE_WGS, bq), jnp.float32),
+      plgpu.SMEM((st.COMPUTE_WGS, 2, h), jnp.float32),
+      plgpu.SMEM((st.COMPUTE_WGS, bq), jnp.float32),
       plgpu.SMEM((stages, bk, d), dtype, transforms=tf),
       plgpu.SMEM((stages, bk, vd), dtype, transforms=tf),
       plgpu.SMEM((stages, bk), jnp.float32),
-      plgpu.Barrier(num_barriers=st.COMPUTE_WGS),
+      plgpu.Barrier(num_arrivals=3, num_barriers=st.COMPUTE_WGS),
       plgpu.Barrier(num_barriers=st.COMPUTE_WGS),
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_barriers=stages),
@@ -160,8 +218,12 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
       plgpu.Barrier(num_arrivals=st.COMPUTE_WGS, num_barriers=stages),
       plgpu.Barrier(num_arrivals=st.COMPUTE_WGS),
   ]
+  if not q_in_o:
+    scratch.append(plgpu.SMEM((st.COMPUTE_WGS, bq, h), dtype, transforms=st.tile_transforms(h)))
   out_type = (jax.ShapeDtypeStruct((bsz, t_len, n_heads, vd), dtype),
               jax.ShapeDtypeStruct((bsz, n_heads, t_len), jnp.float32))
+  if save_a:
+    out_type += (jax.ShapeDtypeStruct((bsz, t_len, n_heads, d), dtype),)
   return plgpu.kernel(
       pope_fwd_kernel,
       out_type=out_type,
@@ -171,4 +233,4 @@ def pope_attention_fwd(a, b, v, q_pos, k_pos, table, *, blocks: BlockSizes):
       num_threads=st.COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=st.compiler_params(),
-  )(a, b, v, q_pos, k_pos, table)
+  )(q, rot, q_angle_pos, b, v, q_pos, k_pos, table)
