@@ -202,7 +202,7 @@ def check(names) -> list[dict]:
 
 VARIANTS = {  # Besides each head dim's default (`default_block_sizes`), timed in the main table.
     "bench_h64": [dataclasses.replace(default_block_sizes(64), **change) for change in (
-        {"split_dkv": True}, {"ping_pong": False})],
+        {"split_dkv": True}, {"ping_pong": False}, {"stages": 3})],
     "bench_h128": [dataclasses.replace(default_block_sizes(128), **change) for change in (
         {"split_dkv": False}, {"ping_pong": True})],
 }
