@@ -43,8 +43,8 @@ def cartesian_tile(x, pos, freq, phase, magnitude_scale: float, dtype):
     dtype: result dtype.
 
   Returns:
-    ([R, H], [R, H]) μ cos φ·magnitude_scale and μ sin φ·magnitude_scale in `dtype`, where
-    φ = pos·θ + phase (float32 angle) and μ = softplus(x) = max(x, 0) + log(1 + exp(-|x|)). φ is reduced to [-π, π] (Cody-Waite, 2π in two
+    [R, 2H] concat(μ cos φ, μ sin φ)·magnitude_scale, φ = pos·θ + phase (float32 angle), μ =
+    softplus(x) = max(x, 0) + log(1 + exp(-|x|)). φ is reduced to [-π, π] (Cody-Waite, 2π in two
     parts; exact below 4e5 rad) before cos and sin, which run as the hardware approximations on
     the GPU (absolute error ~1e-6, below bf16's rounding).
   """
@@ -55,7 +55,7 @@ def cartesian_tile(x, pos, freq, phase, magnitude_scale: float, dtype):
   ang = ang - turns * _TWO_PI_HI - turns * _TWO_PI_LO
   x = x.astype(jnp.float32)
   mag = (jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))) * magnitude_scale
-  return (mag * jnp.cos(ang)).astype(dtype), (mag * jnp.sin(ang)).astype(dtype)
+  return jnp.concatenate([mag * jnp.cos(ang), mag * jnp.sin(ang)], axis=1).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=('blocks', 'magnitude_scale', 'save_a'))
@@ -122,21 +122,10 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
       plgpu.copy_gmem_to_smem(qang_ref.at[batch, rows], qang_smem.at[wg], q_bar.at[wg])
       plgpu.copy_gmem_to_smem(qpos_ref.at[batch, rows], qpos_smem.at[wg], qpos_bar.at[wg])
       plgpu.barrier_wait(q_bar.at[wg])
-      # a = [cos part | sin part]; mapped 64 columns of q at a time (fewer live registers at
-      # H = 128), and at H = 32 in one piece (half a 64-column SMEM tile cannot be addressed).
-      qang = st.row_vector(qang_smem.at[wg], 0)
-      chunk = min(h, 64)
-      for c0 in range(0, h, chunk):
-        cols = pl.ds(c0, chunk)
-        cos_part, sin_part = cartesian_tile(
-            plgpu.load(q_smem.at[wg, :, cols], layout=plgpu.Layout.WGMMA), qang,
-            st.row_vector(rot_smem.at[wg, 0, cols], 1), st.row_vector(rot_smem.at[wg, 1, cols], 1),
-            magnitude_scale, dtype)
-        if chunk < 64:
-          a_smem.at[wg][...] = jnp.concatenate([cos_part, sin_part], axis=1)
-        else:
-          a_smem.at[wg, :, cols][...] = cos_part
-          a_smem.at[wg, :, pl.ds(h + c0, chunk)][...] = sin_part
+      a_smem.at[wg][...] = cartesian_tile(
+          plgpu.load(q_smem.at[wg], layout=plgpu.Layout.WGMMA),
+          st.row_vector(qang_smem.at[wg], 0), st.row_vector(rot_smem.at[wg, 0], 1),
+          st.row_vector(rot_smem.at[wg, 1], 1), magnitude_scale, dtype)
       plgpu.commit_smem()
       if save_a:
         plgpu.copy_smem_to_gmem(a_smem.at[wg], a_ref.at[batch, rows, head])
