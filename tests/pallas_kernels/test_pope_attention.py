@@ -21,7 +21,8 @@ from pallas_kernels import pope_attention as kernel
 from pallas_kernels import _streaming
 from pallas_kernels.pope_attention_bwd import pope_attention_dkv
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
-from pope_jax import attention
+from pallas_kernels.pope_attention_fwd import cartesian_tile
+from pope_jax import attention, encodings
 
 # (B, N, K, H): kernel-shape families; lengths vary freely inside each.
 FAMILIES = ((1, 2, 1, 32), (2, 2, 2, 64), (1, 4, 2, 128), (1, 2, 1, 64))
@@ -78,6 +79,30 @@ def test_matches_reference_forward_and_grads(case):
     got = _value_and_grads("pallas", *problem, is_causal=is_causal)
   want = _value_and_grads("xla", *problem, is_causal=is_causal)
   _assert_close(got, want)
+
+
+@pytest.mark.parametrize("head_dim, max_position", [(32, 4096), (128, 400_000), (64, 2**20)])
+def test_cartesian_tile_matches_float64_map(head_dim, max_position):
+  # The forward kernel's query map, run as plain jnp on CPU (exact cos/sin here; the GPU's
+  # approximations add ~1e-6, checked end to end by experiments.bench_attention --check), against
+  # PoPE Eq. 7-10 in float64 from the same float32 positions, frequencies and phases. Below 4e5
+  # rad the float32 angle is within rounding of the exact one; above, the range reduction may
+  # add half an ulp of the angle.
+  ks = jax.random.split(jax.random.key(head_dim), 3)
+  x = jax.random.uniform(ks[0], (64, head_dim), jnp.float32, -30.0, 30.0)
+  pos = jnp.concatenate([jnp.arange(32.0), jax.random.randint(ks[1], (32,), 0, max_position)
+                         .astype(jnp.float32)])
+  freq = encodings.pope_frequencies(head_dim)
+  phase = jax.random.uniform(ks[2], (head_dim,), jnp.float32, 0.0, 2 * math.pi)
+  got = np.asarray(cartesian_tile(x, pos, freq, phase, 0.5, jnp.float32))
+
+  ang = (np.asarray(pos, np.float64)[:, None] * np.asarray(freq, np.float64)
+         + np.asarray(phase, np.float64))
+  mag = 0.5 * np.logaddexp(0.0, np.asarray(x, np.float64))
+  want = np.concatenate([mag * np.cos(ang), mag * np.sin(ang)], axis=1)
+  ulps = 2.0 if max_position <= 400_000 else 3.0
+  tol = np.tile(mag * (ulps * 2.0**-24 * np.abs(ang) + 2.0**-22) + 2.0**-23, 2)
+  assert np.all(np.abs(got - want) <= tol), np.max(np.abs(got - want) / tol)
 
 
 def test_explicit_positions_and_empty_rows():
