@@ -8,7 +8,7 @@ vectors) and computes O = softmax₂(a bᵀ) v with masking by position, where s
 kernels and, when asked, a itself (their operand), so no separate pass maps the queries.
 
 Shape letters: B batch, T padded query length, S padded key length, N query heads, K kv heads,
-D = 2H q/k width, V value width (a multiple of 64).
+H head dim, D = 2H width of the Cartesian a and b, V value width (a multiple of 64).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from pallas_kernels import _streaming as st
 from pallas_kernels.pope_attention_config import BlockSizes
 
 
-# 2π in two parts for the range reduction of the angles: the first has 8 significant bits, so
-# turns · _TWO_PI_HI is exact for |turns| < 2**16 (angles below ~4e5 rad); above, its rounding
-# adds at most half an ulp of the float32 angle.
+# 2π in two parts for the range reduction of pos·θ: the first has 8 significant bits, so
+# turns · _TWO_PI_HI is exact for |turns| < 2**16 (pos·θ below ~4e5 rad); above, its rounding
+# adds at most half an ulp of the float32 pos·θ.
 _TWO_PI_HI = 6.28125
 _TWO_PI_LO = 2 * math.pi - _TWO_PI_HI
 
@@ -43,16 +43,19 @@ def cartesian_tile(x, pos, freq, phase, magnitude_scale: float, dtype):
     dtype: result dtype.
 
   Returns:
-    [R, 2H] concat(μ cos φ, μ sin φ)·magnitude_scale, φ = pos·θ + phase (float32 angle), μ =
-    softplus(x) = max(x, 0) + log(1 + exp(-|x|)). φ is reduced to [-π, π] (Cody-Waite, 2π in two
-    parts; exact below 4e5 rad) before cos and sin, which run as the hardware approximations on
-    the GPU (absolute error ~1e-6, below bf16's rounding).
+    [R, 2H] concat(μ cos φ, μ sin φ)·magnitude_scale, φ = pos·θ + phase, μ = softplus(x) =
+    max(x, 0) + log(1 + exp(-|x|)). As in the reference map, pos·θ is one float32 product and
+    the phase is added without rounding it again: pos·θ is reduced to about [-π, π] first
+    (Cody-Waite, 2π in two parts; the subtraction is exact below 4e5 rad), then the phase
+    (|phase| <= 2π) is added and the sum wrapped back by 2π. cos and sin run as the hardware
+    approximations on the GPU (absolute error ~1e-6, below bf16's rounding).
   """
   rows, h = x.shape
-  ang = (st.broadcast(pos, (rows, h), 0) * st.broadcast(freq, (rows, h), 1)
-         + st.broadcast(phase, (rows, h), 1))
+  ang = st.broadcast(pos, (rows, h), 0) * st.broadcast(freq, (rows, h), 1)
   turns = jnp.round(ang * (1 / (2 * math.pi)))
-  ang = ang - turns * _TWO_PI_HI - turns * _TWO_PI_LO
+  ang = ang - turns * _TWO_PI_HI - turns * _TWO_PI_LO + st.broadcast(phase, (rows, h), 1)
+  ang = jnp.where(ang > math.pi, ang - 2 * math.pi, jnp.where(ang < -math.pi, ang + 2 * math.pi,
+                                                              ang))
   x = x.astype(jnp.float32)
   mag = (jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))) * magnitude_scale
   return jnp.concatenate([mag * jnp.cos(ang), mag * jnp.sin(ang)], axis=1).astype(dtype)
@@ -89,14 +92,19 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
   n_ctas = t_len // (st.COMPUTE_WGS * bq)
   dtype = q.dtype
   # The query tile is staged in the output tile's SMEM when the two have one width (the output
-  # is written only after the last step): at H = 128 a separate buffer would not fit.
+  # is written only after the last step; a persistent kernel would have to order the next
+  # tile's query copy after this store): at H = 128 a separate buffer would not fit.
   q_in_o = h == vd
 
   # The CPU interpreter runs each warpgroup as its own XLA:CPU execution, and on a 2-core machine
-  # not all of them start at once; the handshake needs both compute warpgroups running together,
-  # so there it can hang (seen intermittently under jit: warpgroup 0 waiting in the handshake, the
-  # TMA warpgroup waiting for releases, warpgroup 1 not started). Interpreted runs (tests) keep the
-  # plain schedule; the GPU check of experiments.bench_attention covers the ping-pong one.
+  # not all of them start at once. Two ways this can hang there, both seen under jit:
+  # - the ping-pong handshake needs both compute warpgroups running together (warpgroup 0
+  #   waiting in the handshake, the TMA warpgroup waiting for releases, warpgroup 1 not
+  #   started), so interpreted runs (tests) keep the plain schedule; the GPU check of
+  #   experiments.bench_attention covers the ping-pong one;
+  # - at some shapes (e.g. H = 32, V = 96) XLA:CPU's concurrency-optimised scheduler runs one
+  #   warpgroup's blocking barrier waits while the others never start; tests/conftest.py turns
+  #   that scheduler off (--xla_cpu_enable_concurrency_optimized_scheduler=false).
   ping_pong = blocks.ping_pong and not st.interpreted()
 
   def pope_fwd_kernel(q_ref, rot_ref, qang_ref, b_ref, v_ref, qpos_ref, kpos_ref, tab_ref,

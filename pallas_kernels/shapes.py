@@ -53,6 +53,12 @@ SHAPES: dict[str, AttentionShape] = {
                                           is_causal=False),
     "check_h128": AttentionShape(batch=1, q_len=513, k_len=1024, num_heads=2, num_kv_heads=1,
                                  head_dim=128, value_dim=128),
+    # Value width other than the head dim: the forward stages queries in their own SMEM tile.
+    "check_h128_v64": AttentionShape(batch=1, q_len=400, k_len=400, num_heads=2, num_kv_heads=2,
+                                     head_dim=128, value_dim=64),
+    "check_h32_v96_gqa": AttentionShape(batch=1, q_len=130, k_len=260, num_heads=4,
+                                        num_kv_heads=1, head_dim=32, value_dim=96,
+                                        is_causal=False),
     # KV-cache decoding: one query after 700 keys; the second warpgroup's rows are all padding.
     "check_h64_decode": AttentionShape(batch=2, q_len=1, k_len=700, num_heads=8, num_kv_heads=2,
                                        head_dim=64, value_dim=64),

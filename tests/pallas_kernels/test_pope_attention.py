@@ -82,27 +82,32 @@ def test_matches_reference_forward_and_grads(case):
 
 
 @pytest.mark.parametrize("head_dim, max_position", [(32, 4096), (128, 400_000), (64, 2**20)])
-def test_cartesian_tile_matches_float64_map(head_dim, max_position):
+def test_cartesian_tile_matches_reference_map(head_dim, max_position):
   # The forward kernel's query map, run as plain jnp on CPU (exact cos/sin here; the GPU's
-  # approximations add ~1e-6, checked end to end by experiments.bench_attention --check), against
-  # PoPE Eq. 7-10 in float64 from the same float32 positions, frequencies and phases. Below 4e5
-  # rad the float32 angle is within rounding of the exact one; above, the range reduction may
-  # add half an ulp of the angle.
+  # approximations add ~1e-6, checked end to end by experiments.bench_attention --check). Both
+  # it and the reference map take pos·θ as one float32 product; the kernel then reduces it by
+  # 2π, exactly below 4e5 rad and within half an ulp of pos·θ above.
   ks = jax.random.split(jax.random.key(head_dim), 3)
   x = jax.random.uniform(ks[0], (64, head_dim), jnp.float32, -30.0, 30.0)
   pos = jnp.concatenate([jnp.arange(32.0), jax.random.randint(ks[1], (32,), 0, max_position)
                          .astype(jnp.float32)])
   freq = encodings.pope_frequencies(head_dim)
   phase = jax.random.uniform(ks[2], (head_dim,), jnp.float32, 0.0, 2 * math.pi)
-  got = np.asarray(cartesian_tile(x, pos, freq, phase, 0.5, jnp.float32))
+  got = np.asarray(cartesian_tile(x, pos, freq, phase, 0.5, jnp.float32), np.float64)
 
-  ang = (np.asarray(pos, np.float64)[:, None] * np.asarray(freq, np.float64)
-         + np.asarray(phase, np.float64))
+  pos_theta = pos[:, None] * freq                                      # float32, as both maps
   mag = 0.5 * np.logaddexp(0.0, np.asarray(x, np.float64))
+  reduction = (2.0**-24 * np.abs(np.asarray(pos_theta, np.float64)) if max_position > 400_000
+               else 1e-5)                                              # rad
+  tol = np.tile(mag * (reduction + 2.0**-21), 2) + 2.0**-23
+  # PoPE Eq. 7-10 in float64 from the float32 pos·θ.
+  ang = np.asarray(pos_theta, np.float64) + np.asarray(phase, np.float64)
   want = np.concatenate([mag * np.cos(ang), mag * np.sin(ang)], axis=1)
-  ulps = 2.0 if max_position <= 400_000 else 3.0
-  tol = np.tile(mag * (ulps * 2.0**-24 * np.abs(ang) + 2.0**-22) + 2.0**-23, 2)
   assert np.all(np.abs(got - want) <= tol), np.max(np.abs(got - want) / tol)
+  # The library's reference map, whose VJP the backward uses.
+  ref = 0.5 * encodings.polar_to_cartesian(x[None, :, None], pos_theta[None, :, None], phase)
+  ref = np.asarray(ref, np.float64).reshape(got.shape)
+  assert np.all(np.abs(got - ref) <= 2 * tol), np.max(np.abs(got - ref) / tol)
 
 
 def test_explicit_positions_and_empty_rows():
@@ -115,6 +120,20 @@ def test_explicit_positions_and_empty_rows():
     got = _value_and_grads("pallas", q, k, v, delta, cot, **kw)
   want = _value_and_grads("xla", q, k, v, delta, cot, **kw)
   assert np.all(np.asarray(got[0][1, 0]) == 0)
+  _assert_close(got, want)
+
+
+@pytest.mark.parametrize("family, value_dim, is_causal",
+                         [((1, 2, 2, 128), 64, True), ((1, 4, 1, 32), 96, False)])
+def test_value_width_other_than_head_dim(family, value_dim, is_causal):
+  # The forward stages the query tile in its own SMEM buffer (not the output tile's).
+  q, k, v, delta, _ = _problem(family, 33, 128, seed=11)
+  v = jnp.tile(v, (1, 1, 1, 4))[..., :value_dim]
+  cot = jax.random.normal(jax.random.key(12), q.shape[:3] + (value_dim,), jnp.float32)
+  with plgpu.force_gpu_interpret_mode():
+    got = _value_and_grads("pallas", q, k, v, delta, cot, is_causal=is_causal)
+  want = _value_and_grads("xla", q, k, v, delta, cot, is_causal=is_causal)
+  assert got[0].shape == q.shape[:3] + (value_dim,)
   _assert_close(got, want)
 
 
@@ -149,7 +168,7 @@ def test_unsupported_inputs_raise():
   q16 = spec((1, 8, 2, 64))
   assert kernel.is_supported(q16, q16, q16)
   assert not kernel.is_supported(q16, q16, spec((1, 8, 2, 64), jnp.float32))  # mixed dtypes
-  assert not kernel.is_supported(q16, q16, spec((1, 8, 2, 512)))              # value dim
+  assert not kernel.is_supported(q16, q16, spec((1, 8, 2, 192)))              # value dim
   q64 = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="Hopper"):                   # CPU, no interpreter
     kernel.pope_attention(q64, q64, q64)
