@@ -14,7 +14,9 @@ Supported: bf16/fp16 inputs with float32 accumulation, H in {32, 64, 128}, V <= 
 (N % K == 0), any sequence lengths (zero-padded internally), query and key positions of shape
 [T]/[S] or [B, T]/[B, S] with |position| < 2**24, causal (k_pos[s] <= q_pos[t]) or not. Query
 rows with no visible key return zeros. Runs on Hopper GPUs, and on CPU in the Mosaic GPU
-interpreter (`plgpu.force_gpu_interpret_mode()`, for tests).
+interpreter (`plgpu.force_gpu_interpret_mode()`, for tests; on machines with few cores set
+XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false, or it can hang, as
+tests/conftest.py does).
 
 Shape letters: B batch, T query length, S key length, N query heads, K kv heads, H head dim,
 V value head dim.
