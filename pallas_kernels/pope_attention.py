@@ -95,35 +95,29 @@ def _pad_to(x, length: int, axis: int, value=0):
   return jnp.pad(x, pad, constant_values=value)
 
 
-def _query_map(q, angle_pos, freqs, phase, magnitude_scale):
-  """The Cartesian queries a of the reference map (PoPE Eq. 7-10, `encodings`), [B, T, N, 2H]
-  in q's dtype; the kernels' `cartesian_tile` computes the same inside the forward."""
-  ang = encodings.angles(angle_pos, freqs)
-  return (encodings.polar_to_cartesian(q, ang, phase) * magnitude_scale).astype(q.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
-def _flash(q, phase, b, v, angle_pos, q_pos, k_pos, freqs, tables, blocks: BlockSizes,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _flash(q, phase, b, v, angle_pos, q_pos, k_pos, tables, blocks: BlockSizes, base: float,
            magnitude_scale: float):
-  return _forward(q, phase, b, v, angle_pos, q_pos, k_pos, freqs, tables, blocks,
+  return _forward(q, phase, b, v, angle_pos, q_pos, k_pos, tables, blocks, base,
                   magnitude_scale, save_a=False)[0]
 
 
-def _forward(q, phase, b, v, angle_pos, q_pos, k_pos, freqs, tables, blocks, magnitude_scale,
+def _forward(q, phase, b, v, angle_pos, q_pos, k_pos, tables, blocks, base, magnitude_scale,
              *, save_a):
+  freqs = encodings.pope_frequencies(q.shape[-1], base)
   rot = jnp.stack([jnp.broadcast_to(freqs, phase.shape), phase], axis=1)     # [N, 2, H]
   return pope_attention_fwd(q, rot, angle_pos, b, v, q_pos, k_pos, tables[0], blocks=blocks,
                             magnitude_scale=magnitude_scale, save_a=save_a)
 
 
-def _flash_fwd(q, phase, b, v, angle_pos, q_pos, k_pos, freqs, tables, blocks, magnitude_scale):
-  out, lse, a = _forward(q, phase, b, v, angle_pos, q_pos, k_pos, freqs, tables, blocks,
+def _flash_fwd(q, phase, b, v, angle_pos, q_pos, k_pos, tables, blocks, base, magnitude_scale):
+  out, lse, a = _forward(q, phase, b, v, angle_pos, q_pos, k_pos, tables, blocks, base,
                          magnitude_scale, save_a=True)
-  return out, (q, phase, a, b, v, angle_pos, q_pos, k_pos, freqs, tables, out, lse)
+  return out, (q, phase, a, b, v, angle_pos, q_pos, k_pos, tables, out, lse)
 
 
-def _flash_bwd(blocks, magnitude_scale, res, d_out):
-  q, phase, a, b, v, angle_pos, q_pos, k_pos, freqs, tables, out, lse = res
+def _flash_bwd(blocks, base, magnitude_scale, res, d_out):
+  q, phase, a, b, v, angle_pos, q_pos, k_pos, tables, out, lse = res
   delta = jnp.einsum("btnv,btnv->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
   d_out = d_out.astype(a.dtype)
   args = (a, b, v, d_out, lse, delta, q_pos, k_pos)
@@ -140,13 +134,14 @@ def _flash_bwd(blocks, magnitude_scale, res, d_out):
       x = x.reshape(bsz, s_len, kv_heads, group, x.shape[-1]).astype(jnp.float32)
       return x.sum(3).astype(a.dtype)
     db, dv = group_sum(db), group_sum(dv)
-  # Through the query map (the kernel's a) by the reference map's VJP.
-  _, map_vjp = jax.vjp(
-      lambda q, phase: _query_map(q, angle_pos, freqs, phase, magnitude_scale), q, phase)
+  # Through the query map (the kernel's `cartesian_tile`) by the reference map's VJP.
+  def query_map(q, phase):
+    a = encodings.pope_cartesian(q, angle_pos, base=base, phase=phase) * magnitude_scale
+    return a.astype(q.dtype)
+  _, map_vjp = jax.vjp(query_map, q, phase)
   dq, dphase = map_vjp(da)
-  zeros = functools.partial(jax.tree.map, jnp.zeros_like)
-  return (dq, dphase, db, dv, zeros(angle_pos), zeros(q_pos), zeros(k_pos), zeros(freqs),
-          None)
+  return (dq, dphase, db, dv, jnp.zeros_like(angle_pos), jnp.zeros_like(q_pos),
+          jnp.zeros_like(k_pos), None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -160,7 +155,6 @@ def _prepare(q, k, v, delta, q_positions, k_positions, *, base, is_causal, block
   # δ on the query side as -δ (the same score as δ on the keys, Eq. 5).
   phase = (jnp.zeros((n_heads, h), jnp.float32) if delta is None
            else -encodings.clamp_phase_bias(delta.astype(jnp.float32)))
-  freqs = encodings.pope_frequencies(h, base)
   # Positions keep their [S] / [B, S] shape here: angles broadcast over the batch are cheaper.
   b = encodings.pope_cartesian(k, k_positions, base=base).astype(q.dtype)
   q_pos = jnp.broadcast_to(jnp.asarray(q_positions), (bsz, t_len)).astype(jnp.float32)
@@ -182,7 +176,7 @@ def _prepare(q, k, v, delta, q_positions, k_positions, *, base, is_causal, block
       st.visit_table(qp, kp, blocks.block_q_dq, blocks.block_kv_dq, rows_are_queries=True),
       st.visit_table(kp, qp, blocks.block_kv_dkv, blocks.block_q_dkv, rows_are_queries=False),
   )
-  return qr, phase, b, vp, angle_pos, qp, kp, freqs, tables
+  return qr, phase, b, vp, angle_pos, qp, kp, tables
 
 
 def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: bool = False,
@@ -223,5 +217,5 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
                              dtype=jnp.int32)
   operands = _prepare(q, k, v, delta, q_positions, k_positions, base=base, is_causal=is_causal,
                       blocks=blocks)
-  out = _flash(*operands, blocks, scale * _LOG2E)
+  out = _flash(*operands, blocks, base, scale * _LOG2E)
   return out[:, :t_len, :, :v.shape[-1]]
