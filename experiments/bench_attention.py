@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import time
@@ -170,22 +171,31 @@ def bench_head_dim(shape_name: str, iters: int, with_tokamax: bool) -> dict:
   return {"shape": dataclasses.asdict(shape), "flops_fwd": flops, "rows": rows, "best": best}
 
 
-def check(names) -> list[dict]:
-  """Fused kernel vs the XLA reference on the GPU: max |error| of the output and every grad."""
+def check(names, changes=({},)) -> list[dict]:
+  """Fused kernel vs the XLA reference on the GPU: max |error| of the output and every grad.
+
+  Each entry of `changes` (BlockSizes fields) is applied to the shape's default block sizes and
+  checked as its own row; {} is the default path of `pope_attention(implementation="pallas")`.
+  """
   results = []
-  for name in names:
+  for name, change in itertools.product(names, changes):
     shape = SHAPES[name]
     q, k, v, delta = _inputs(shape, seed=1)
     cot = jax.random.normal(jax.random.key(2), q.shape[:3] + (shape.value_dim,), jnp.float32)
+    blocks = dataclasses.replace(default_block_sizes(shape.head_dim), **change)
 
     def run(impl):
       def loss(q, k, v, delta):
-        out = attention.pope_attention(q, k, v, delta, is_causal=shape.is_causal,
-                                       implementation=impl)
+        if impl == "pallas" and change:
+          out = kernel.pope_attention(q, k, v, delta, is_causal=shape.is_causal,
+                                      block_sizes=blocks)
+        else:
+          out = attention.pope_attention(q, k, v, delta, is_causal=shape.is_causal,
+                                         implementation=impl)
         return (out.astype(jnp.float32) * cot).sum(), out
       return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, delta)
 
-    row = {"name": name}
+    row = {"name": f"{name} {change}" if change else name}
     try:
       (_, out), grads = run("pallas")
       (_, ref), ref_grads = run("xla")
@@ -200,11 +210,13 @@ def check(names) -> list[dict]:
   return results
 
 
-VARIANTS = {  # Besides each head dim's default (`default_block_sizes`), timed in the main table.
+VARIANTS = {  # Changes to each head dim's default (`default_block_sizes`); {} is the default.
     "bench_h64": [dataclasses.replace(default_block_sizes(64), **change) for change in (
-        {"split_dkv": True}, {"ping_pong": False}, {"stages": 3})],
+        {}, {"stages": 3}, {"block_q": 128, "block_kv": 64},
+        {"block_q": 128, "block_kv": 64, "stages": 3}, {"overlap": True, "ping_pong": False},
+        {"overlap": True, "ping_pong": False, "stages": 3}, {"overlap": True, "stages": 3})],
     "bench_h128": [dataclasses.replace(default_block_sizes(128), **change) for change in (
-        {"split_dkv": False}, {"ping_pong": True})],
+        {}, {"ping_pong": True}, {"overlap": True})],
 }
 
 
@@ -213,9 +225,13 @@ def variants(iters: int) -> list[dict]:
   for name, configs in VARIANTS.items():
     shape = SHAPES[name]
     args = _inputs(shape)
+    default_out = np.asarray(jax.jit(_pope_pallas)(*args), np.float32)
     for blocks in configs:
       fn = lambda q, k, v, d, blocks=blocks: _pope_pallas(q, k, v, d, blocks)
       row = _measure(f"{name} {blocks}", fn, args, shape.forward_flops(), iters)
+      if "error" not in row:  # The same output as the default schedule, up to bf16 rounding.
+        got = np.asarray(jax.jit(fn)(*args), np.float32)
+        row["fwd_max_diff_vs_default"] = float(np.abs(got - default_out).max())
       print("variant", row, flush=True)
       out.append(row)
   return out
@@ -345,6 +361,8 @@ def main():
   parser.add_argument("--out", default="bench_attention.json")
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--check", action="store_true", help="kernel vs reference first")
+  parser.add_argument("--check-blocks", action="append", default=[], metavar="JSON",
+                      help='--check also runs these BlockSizes changes, e.g. \'{"overlap": true}\'')
   parser.add_argument("--variants", action="store_true", help="time block-size variants")
   parser.add_argument("--train-step", action="store_true", help="GPT-2-124M PoPE/RoPE step")
   parser.add_argument("--train-batch", type=int, default=16, help="--train-step batch size")
@@ -366,7 +384,8 @@ def main():
              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "iters": args.iters}
   print(results, flush=True)
   if args.check:
-    results["check"] = check([n for n in SHAPES if n.startswith("check")])
+    changes = [{}] + [json.loads(c) for c in args.check_blocks]
+    results["check"] = check([n for n in SHAPES if n.startswith("check")], changes)
   if not args.skip_bench:
     results["bench"] = {n: bench_head_dim(n, args.iters, with_tokamax)
                         for n in ("bench_h64", "bench_h128")}

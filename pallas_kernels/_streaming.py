@@ -189,6 +189,56 @@ def matmul_acc(acc: jax.Array, a, b) -> jax.Array:
   return pl.run_state(run)(plgpu.ACC.init(acc))
 
 
+def matmul_overlapped(a, b, shape, acc: jax.Array, p, v, during, then=None):
+  """a @ b and acc + p @ v in flight together; `during(a @ b)` runs while p @ v is.
+
+  FlashAttention-3's intra-warpgroup overlap (Shah et al. 2024, §3.2, Alg. 2): both wgmmas are
+  issued, the first is awaited (in-order completion: at most one group left in flight), and
+  `during` works on its result in registers while the tensor cores finish the second.
+
+  Args:
+    a, b: operands of the first product (as in `matmul`); shape: its [M, N] shape.
+    acc: [M, V] float32 accumulator; p: register lhs, v: SMEM rhs of the second product.
+    during: function of the float32 [M, N] first product, run before the second is awaited.
+    then: if given, runs after both wgmmas are issued (the ping-pong schedule barrier).
+
+  Returns:
+    (during(a @ b), acc + p @ v). The CPU interpreter computes the two products in turn.
+  """
+  if interpreted():
+    res = during(matmul(a, b, shape, then=then))
+    return res, matmul_acc(acc, p, v)
+
+  def run(s_ref, o_ref):
+    o_ref[...] = acc
+    plgpu.wgmma(s_ref, a, b)
+    plgpu.wgmma(o_ref, p, v)
+    if then is not None:
+      then()
+    res = during(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
+    return res, o_ref[...]
+  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32), plgpu.ACC(acc.shape, jnp.float32))
+
+
+def compute_loops_overlapped(ranges, carry, skip, first, step, last):
+  """`compute_loops` for a software-pipelined step whose matmul p @ v lags one step behind.
+
+  Runs skip(s, carry) over the skipped ranges, first(s, carry) at the first visible step lo,
+  step(s, carry, mode) over (lo, hi) (mode "masked" or "full"; it finishes step s - 1) and
+  last(s, carry) at s = hi - 1 (finishing it); nothing but the skips when lo == hi. The single
+  steps run as loops of zero or one trip, so the carry needs no conditional.
+  """
+  u_lo, u_hi, lo, flo, fhi, hi = ranges
+  carry = lax.fori_loop(u_lo, lo, skip, carry)
+  carry = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), first, carry)
+  nxt = jnp.minimum(lo + 1, hi)
+  flo, fhi = jnp.maximum(flo, nxt), jnp.maximum(fhi, nxt)
+  for start, stop, mode in ((nxt, flo, "masked"), (flo, fhi, "full"), (fhi, hi, "masked")):
+    carry = lax.fori_loop(start, stop, lambda s, c, mode=mode: step(s, c, mode), carry)
+  carry = lax.fori_loop(jnp.maximum(hi - 1, lo), hi, last, carry)
+  return lax.fori_loop(hi, u_hi, skip, carry)
+
+
 def row_vector(smem_ref, rows_axis: int):
   """Loads a [n] float32 SMEM vector laid out along `rows_axis` of a WGMMA tile."""
   return plgpu.load(smem_ref, layout=plgpu.Layout.WGMMA.reduce(1 - rows_axis))

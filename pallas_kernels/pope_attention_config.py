@@ -23,6 +23,11 @@ class BlockSizes:
     ping_pong: forward only: the two compute warpgroups take turns on the tensor cores, one's
       softmax overlapping the other's matmuls (FlashAttention-3 §3.1). On by default here;
       `default_block_sizes` turns it off at head dim 128.
+    overlap: forward only: each compute warpgroup issues the QKᵀ of step s together with the
+      PV of step s - 1 and runs the softmax of s while PV is on the tensor cores
+      (FlashAttention-3 §3.2, intra-warpgroup overlap). A slot is then released one step
+      later, so with `ping_pong` it needs stages >= 3 (with 2 the handshake and the slot reuse
+      wait on each other: deadlock).
     split_dkv: compute the key-side gradients db (of the Cartesian keys) and dv in two launches
       rather than one (`pope_attention_dkv`): the dv launch repeats a bᵀ and the pass over the
       queries, but neither spills registers where the one launch's accumulators do not fit
@@ -36,6 +41,7 @@ class BlockSizes:
   block_q_dkv: int = 64
   stages: int = 2
   ping_pong: bool = True
+  overlap: bool = False
   split_dkv: bool = False
 
   def __post_init__(self):
@@ -44,7 +50,7 @@ class BlockSizes:
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"BlockSizes.{field} must be an int, got {value!r}")
-    for field in ("ping_pong", "split_dkv"):
+    for field in ("ping_pong", "overlap", "split_dkv"):
       if not isinstance(getattr(self, field), bool):
         raise TypeError(f"BlockSizes.{field} must be a bool, got {getattr(self, field)!r}")
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",
@@ -54,6 +60,9 @@ class BlockSizes:
         raise ValueError(f"BlockSizes.{field} must be a positive multiple of 64, got {value}")
     if self.stages < 2:
       raise ValueError(f"BlockSizes.stages must be at least 2, got {self.stages}")
+    if self.overlap and self.ping_pong and self.stages < 3:
+      raise ValueError("BlockSizes.overlap with ping_pong needs stages >= 3 (a slot is released "
+                       f"one step later), got stages={self.stages}")
 
   @property
   def seq_multiple(self) -> int:

@@ -142,22 +142,19 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
       ranges = st.read_ranges(tab_ref, batch, cta, wg)
       u_lo = ranges[0]
 
-      # Each step makes two handshakes (after issuing QKᵀ, after the softmax); warpgroup 1 makes
-      # one before its first step and warpgroup 0 one after its last, so they alternate.
-      def step(s, carry, mode):
+      def wait_step(s):
         slot = st.slot_of(s, u_lo, stages)
         plgpu.barrier_wait(b_bar.at[slot])
         plgpu.barrier_wait(v_bar.at[slot])
         plgpu.barrier_wait(kpos_bar.at[slot])
-        if mode == "skip":
-          plgpu.barrier_arrive(consumed.at[slot])
-          if ping_pong:
-            handshake()
-            handshake()
-          return carry
-        acc, m_i, l_i = carry
-        s_blk = st.matmul(a_smem.at[wg], b_smem.at[slot].transpose((1, 0)), (bq, bk),
-                          then=handshake)
+        return slot
+
+      def scores(slot):
+        return a_smem.at[wg], b_smem.at[slot].transpose((1, 0)), (bq, bk)
+
+      def softmax(s_blk, m_i, l_i, slot, mode, cast=True):
+        """Online softmax of one score tile: (m, l, P, rescale of the old acc); P in q's dtype
+        if `cast`, else float32."""
         if mode == "masked":
           kpos = st.row_vector(kpos_smem.at[slot], 1)
           visible = st.broadcast(kpos, (bq, bk), 1) <= st.broadcast(qpos, (bq, bk), 0)
@@ -166,14 +163,63 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(s_blk - st.broadcast(m_new, (bq, bk), 0))
         l_i = l_i * alpha + p.sum(axis=1)
-        acc = acc * st.broadcast(alpha, (bq, vd), 0)
-        p = p.astype(dtype)
+        if cast:
+          p = p.astype(dtype)
         if ping_pong:  # Finish the softmax before handing the tensor cores over.
-          acc, l_i, m_new, p = lax.optimization_barrier((acc, l_i, m_new, p))
+          m_new, l_i, p, alpha = lax.optimization_barrier((m_new, l_i, p, alpha))
           handshake()
+        return m_new, l_i, p, alpha
+
+      def rescale(acc, alpha):
+        return acc * st.broadcast(alpha, (bq, vd), 0)
+
+      # Each step makes two handshakes (after issuing its matmuls, after the softmax); warpgroup
+      # 1 makes one before its first step and warpgroup 0 one after its last, so they alternate.
+      def skip(s, carry):
+        plgpu.barrier_arrive(consumed.at[wait_step(s)])
+        if ping_pong:
+          handshake()
+          handshake()
+        return carry
+
+      def step(s, carry, mode):
+        """One step as written: QKᵀ, softmax, then PV, each awaited."""
+        if mode == "skip":
+          return skip(s, carry)
+        acc, m_i, l_i = carry
+        slot = wait_step(s)
+        s_blk = st.matmul(*scores(slot), then=handshake)
+        m_i, l_i, p, alpha = softmax(s_blk, m_i, l_i, slot, mode)
+        acc = st.matmul_acc(rescale(acc, alpha), p, v_smem.at[slot])
+        plgpu.barrier_arrive(consumed.at[slot])
+        return acc, m_i, l_i
+
+      # The overlapped schedule (FlashAttention-3 §3.2): step s issues QKᵀ of s with PV of
+      # s - 1, whose P it carries, and runs the softmax of s while PV runs; so a slot is released
+      # one step later, after its PV. P is cast to q's dtype only after PV is awaited: ptxas
+      # serialises the wgmmas when a wgmma operand register is written while one is in flight.
+      def first(s, carry):
+        acc, m_i, l_i, _ = carry
+        slot = wait_step(s)
+        s_blk = st.matmul(*scores(slot), then=handshake)
+        m_i, l_i, p, _ = softmax(s_blk, m_i, l_i, slot, "masked")
+        return acc, m_i, l_i, p
+
+      def step_overlapped(s, carry, mode):
+        acc, m_i, l_i, p_prev = carry
+        slot, prev = wait_step(s), st.slot_of(s - 1, u_lo, stages)
+        (m_i, l_i, p, alpha), acc = st.matmul_overlapped(
+            *scores(slot), acc, p_prev, v_smem.at[prev],
+            lambda s_blk: softmax(s_blk, m_i, l_i, slot, mode, cast=False), then=handshake)
+        plgpu.barrier_arrive(consumed.at[prev])
+        return rescale(acc, alpha), m_i, l_i, p.astype(dtype)
+
+      def last(s, carry):
+        acc, m_i, l_i, p = carry
+        slot = st.slot_of(s, u_lo, stages)
         acc = st.matmul_acc(acc, p, v_smem.at[slot])
         plgpu.barrier_arrive(consumed.at[slot])
-        return acc, m_new, l_i
+        return acc, m_i, l_i, p
 
       acc = plgpu.layout_cast(jnp.zeros((bq, vd), jnp.float32), plgpu.Layout.WGMMA)
       m_i = plgpu.layout_cast(jnp.full((bq,), st.M_INIT, jnp.float32),
@@ -181,7 +227,12 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
       l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
       if ping_pong:
         pl.when(wg == 1)(handshake)
-      acc, m_i, l_i = st.compute_loops(ranges, (acc, m_i, l_i), step)
+      if blocks.overlap:
+        p = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
+        acc, m_i, l_i, _ = st.compute_loops_overlapped(
+            ranges, (acc, m_i, l_i, p), skip, first, step_overlapped, last)
+      else:
+        acc, m_i, l_i = st.compute_loops(ranges, (acc, m_i, l_i), step)
       if ping_pong:
         pl.when(wg == 0)(handshake)
 

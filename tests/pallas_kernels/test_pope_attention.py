@@ -192,6 +192,27 @@ def test_dk_dv_in_one_or_two_launches(head_dim, split_dkv):
   _assert_close((out, *grads), want)
 
 
+@pytest.mark.parametrize("blocks, is_causal", [
+    (BlockSizes(block_kv=64, overlap=True, ping_pong=False), True),
+    (BlockSizes(block_kv=64, overlap=True, stages=3), True),
+    (BlockSizes(block_kv=64, overlap=True, ping_pong=False), False),
+    (BlockSizes(block_q=128, block_kv=64), True),
+])
+def test_forward_schedules(blocks, is_causal):
+  # Several key steps per query tile (block_kv 64): skipped, masked and full ranges (for the
+  # overlapped schedule, the release of each slot one step late), 128-row query tiles;
+  # warpgroups with no visible key (T < S, offsets).
+  q, k, v, delta, _ = _problem((1, 2, 1, 32), 150, 330, seed=13)
+  q_pos = jnp.arange(150, dtype=jnp.int32) * 2
+  kw = dict(is_causal=is_causal, q_positions=q_pos, k_positions=jnp.arange(330))
+  with plgpu.force_gpu_interpret_mode():
+    got = jax.jit(functools.partial(kernel.pope_attention, block_sizes=blocks, **kw))(
+        q, k, v, delta)
+  want = attention.pope_attention(q, k, v, delta, implementation="xla", **kw)
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  assert np.abs(got - want).max() < TOL * np.abs(want).max() + ATOL
+
+
 def test_dkv_outputs_validate():
   x = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
   row = jnp.zeros((1, 1, 128), jnp.float32)
@@ -222,3 +243,8 @@ def test_block_size_defaults_and_types():
     BlockSizes(block_q=64.0)
   with pytest.raises(TypeError, match="ping_pong"):
     BlockSizes(ping_pong="no")
+  with pytest.raises(TypeError, match="overlap"):
+    BlockSizes(overlap=1)
+  with pytest.raises(ValueError, match="stages >= 3"):
+    BlockSizes(overlap=True, ping_pong=True, stages=2)
+
