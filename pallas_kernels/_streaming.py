@@ -16,6 +16,8 @@ Shape letters: B batch, R resident tiles, C streamed steps.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -103,7 +105,8 @@ def stream(u_lo, u_hi, stages: int, consumed, issue):
 
   def body(s, _):
     slot = lax.rem(s - u_lo, stages)
-    plgpu.barrier_wait(consumed.at[slot])
+    with jax.named_scope("wait_release"):
+      plgpu.barrier_wait(consumed.at[slot])
     issue(s, slot)
     return None
 
@@ -133,8 +136,9 @@ def schedule_barrier(barrier) -> None:
   """One handshake of the two compute warpgroups' ping-pong schedule (FlashAttention-3, Shah et
   al. 2024, §3.1): each passes only when the other has arrived too, so one warpgroup's softmax
   overlaps the other's matmuls. `barrier` has COMPUTE_WGS arrivals."""
-  plgpu.barrier_arrive(barrier)
-  plgpu.barrier_wait(barrier)
+  with jax.named_scope("handshake"):
+    plgpu.barrier_arrive(barrier)
+    plgpu.barrier_wait(barrier)
 
 
 def longest_first(tile, n_tiles: int):
@@ -148,9 +152,21 @@ def slot_of(s, u_lo, stages: int):
   return lax.rem(s - u_lo, stages)
 
 
+# Set, this environment variable turns on the Mosaic GPU profiler in every kernel compiled
+# afterwards: each warpgroup records the start and end of the kernels' named scopes (query map,
+# waits, QKᵀ, softmax, PV, handshakes, ...) and each call writes a Perfetto trace into the
+# directory (`experiments.trace_attention` summarises it). It changes the timing a little.
+PROFILE_DIR_ENV = "POPE_KERNEL_PROFILE_DIR"
+PROFILE_SPACE = 512  # scopes recorded per warpgroup and call; later ones are dropped
+
+
 def compiler_params() -> plgpu.CompilerParams:
-  """Mosaic GPU compiler settings of every kernel here (approximate exp2/log on the GPU)."""
-  return plgpu.CompilerParams(approx_math=True)
+  """Mosaic GPU compiler settings of every kernel here (approximate exp2/log on the GPU; the
+  profiler when PROFILE_DIR_ENV is set)."""
+  profile_dir = os.environ.get(PROFILE_DIR_ENV, "")
+  return plgpu.CompilerParams(approx_math=True, profile_dir=profile_dir,
+                              profile_space=PROFILE_SPACE if profile_dir else 0,
+                              profile_bounds_check=bool(profile_dir))
 
 
 def interpreted() -> bool:

@@ -129,12 +129,14 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
       plgpu.copy_gmem_to_smem(rot_ref.at[head], rot_smem.at[wg], q_bar.at[wg])
       plgpu.copy_gmem_to_smem(qang_ref.at[batch, rows], qang_smem.at[wg], q_bar.at[wg])
       plgpu.copy_gmem_to_smem(qpos_ref.at[batch, rows], qpos_smem.at[wg], qpos_bar.at[wg])
-      plgpu.barrier_wait(q_bar.at[wg])
-      a_smem.at[wg][...] = cartesian_tile(
-          plgpu.load(q_smem.at[wg], layout=plgpu.Layout.WGMMA),
-          st.row_vector(qang_smem.at[wg], 0), st.row_vector(rot_smem.at[wg, 0], 1),
-          st.row_vector(rot_smem.at[wg, 1], 1), magnitude_scale, dtype)
-      plgpu.commit_smem()
+      with jax.named_scope("wait_q"):
+        plgpu.barrier_wait(q_bar.at[wg])
+      with jax.named_scope("query_map"):
+        a_smem.at[wg][...] = cartesian_tile(
+            plgpu.load(q_smem.at[wg], layout=plgpu.Layout.WGMMA),
+            st.row_vector(qang_smem.at[wg], 0), st.row_vector(rot_smem.at[wg, 0], 1),
+            st.row_vector(rot_smem.at[wg, 1], 1), magnitude_scale, dtype)
+        plgpu.commit_smem()
       if save_a:
         plgpu.copy_smem_to_gmem(a_smem.at[wg], a_ref.at[batch, rows, head])
       plgpu.barrier_wait(qpos_bar.at[wg])
@@ -142,6 +144,7 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
       ranges = st.read_ranges(tab_ref, batch, cta, wg)
       u_lo = ranges[0]
 
+      @jax.named_scope("wait_kv")
       def wait_step(s):
         slot = st.slot_of(s, u_lo, stages)
         plgpu.barrier_wait(b_bar.at[slot])
@@ -152,6 +155,7 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
       def scores(slot):
         return a_smem.at[wg], b_smem.at[slot].transpose((1, 0)), (bq, bk)
 
+      @jax.named_scope("softmax")
       def softmax(s_blk, m_i, l_i, slot, mode, cast=True):
         """Online softmax of one score tile: (m, l, P, rescale of the old acc); P in q's dtype
         if `cast`, else float32."""
@@ -188,9 +192,11 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
           return skip(s, carry)
         acc, m_i, l_i = carry
         slot = wait_step(s)
-        s_blk = st.matmul(*scores(slot), then=handshake)
+        with jax.named_scope("qk"):
+          s_blk = st.matmul(*scores(slot), then=handshake)
         m_i, l_i, p, alpha = softmax(s_blk, m_i, l_i, slot, mode)
-        acc = st.matmul_acc(rescale(acc, alpha), p, v_smem.at[slot])
+        with jax.named_scope("pv"):
+          acc = st.matmul_acc(rescale(acc, alpha), p, v_smem.at[slot])
         plgpu.barrier_arrive(consumed.at[slot])
         return acc, m_i, l_i
 
@@ -201,23 +207,26 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
       def first(s, carry):
         acc, m_i, l_i, _ = carry
         slot = wait_step(s)
-        s_blk = st.matmul(*scores(slot), then=handshake)
+        with jax.named_scope("qk"):
+          s_blk = st.matmul(*scores(slot), then=handshake)
         m_i, l_i, p, _ = softmax(s_blk, m_i, l_i, slot, "masked")
         return acc, m_i, l_i, p
 
       def step_overlapped(s, carry, mode):
         acc, m_i, l_i, p_prev = carry
         slot, prev = wait_step(s), st.slot_of(s - 1, u_lo, stages)
-        (m_i, l_i, p, alpha), acc = st.matmul_overlapped(
-            *scores(slot), acc, p_prev, v_smem.at[prev],
-            lambda s_blk: softmax(s_blk, m_i, l_i, slot, mode, cast=False), then=handshake)
+        with jax.named_scope("qk_pv"):
+          (m_i, l_i, p, alpha), acc = st.matmul_overlapped(
+              *scores(slot), acc, p_prev, v_smem.at[prev],
+              lambda s_blk: softmax(s_blk, m_i, l_i, slot, mode, cast=False), then=handshake)
         plgpu.barrier_arrive(consumed.at[prev])
         return rescale(acc, alpha), m_i, l_i, p.astype(dtype)
 
       def last(s, carry):
         acc, m_i, l_i, p = carry
         slot = st.slot_of(s, u_lo, stages)
-        acc = st.matmul_acc(acc, p, v_smem.at[slot])
+        with jax.named_scope("pv"):
+          acc = st.matmul_acc(acc, p, v_smem.at[slot])
         plgpu.barrier_arrive(consumed.at[slot])
         return acc, m_i, l_i, p
 
@@ -236,14 +245,16 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
       if ping_pong:
         pl.when(wg == 0)(handshake)
 
-      empty = l_i == 0.0
-      l_safe = jnp.where(empty, 1.0, l_i)
-      o_smem.at[wg][...] = (acc / st.broadcast(l_safe, (bq, vd), 0)).astype(dtype)
-      lse_smem.at[wg][...] = jnp.where(empty, 1e30, m_i + jnp.log(l_safe) * (1 / math.log(2)))
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[batch, rows, head])
-      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, rows])
-      plgpu.wait_smem_to_gmem(0)
+      with jax.named_scope("store"):
+        empty = l_i == 0.0
+        l_safe = jnp.where(empty, 1.0, l_i)
+        o_smem.at[wg][...] = (acc / st.broadcast(l_safe, (bq, vd), 0)).astype(dtype)
+        lse_smem.at[wg][...] = jnp.where(empty, 1e30,
+                                         m_i + jnp.log(l_safe) * (1 / math.log(2)))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[batch, rows, head])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, rows])
+        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == st.COMPUTE_WGS)
     def _memory():

@@ -1,0 +1,137 @@
+"""Where the fused PoPE forward kernel spends its time, per warpgroup (Mosaic GPU profiler).
+
+Runs `pallas_kernels.pope_attention` forward once on the GPU with the kernel profiler on (see
+`pallas_kernels._streaming.PROFILE_DIR_ENV`): every warpgroup of every CTA records the start and
+end of the kernel's named scopes (wait_q, query_map, wait_kv, qk, softmax, pv, handshake, store;
+wait_release on the TMA warpgroup). The summary gives, per warpgroup role (compute, memory) and
+scope, the number of ranges, their mean length and their share of the warpgroup's time from its
+first to its last event; "outside scopes" is the rest (loop control, barrier arrivals, ...).
+Scopes nest (a handshake inside qk), so shares of nested scopes overlap their parents'.
+
+  python -m experiments.trace_attention --out DIR [--head-dim 64] [--batch 1]
+
+Writes DIR/summary.json, DIR/summary.txt and DIR/trace_head.json (the first CTAs' events, for
+ui.perfetto.dev); the full trace stays in DIR/raw/. Profiling adds a few cycles per event, so
+the times are for proportions, not for the benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import json
+import os
+from pathlib import Path
+
+# The traces of one CTA: its compute warpgroups, then the memory (TMA) warpgroup.
+TRACES_PER_CTA = 3
+ROLES = ("compute", "compute", "memory")
+
+
+def summarize(trace: dict) -> dict:
+  """Per role and scope: count, mean length (µs) and share of the warpgroups' time.
+
+  Args:
+    trace: a Mosaic GPU profiler trace (Chrome trace JSON: events with name, ph "B"/"E", ts in
+      µs, tid = 1 + trace index).
+
+  Returns:
+    {"roles": {role: {"warpgroups", "time_us", "scopes": {name: {"count", "mean_us",
+    "share"}}, "outside_scopes_share"}}}.
+
+  Raises:
+    ValueError: an end event without its begin, or a trace with no events.
+  """
+  by_tid = collections.defaultdict(list)
+  for event in trace["traceEvents"]:
+    by_tid[event["tid"]].append(event)
+  if not by_tid:
+    raise ValueError("the trace has no events")
+  totals = {role: collections.defaultdict(lambda: [0, 0.0]) for role in set(ROLES)}
+  time_us = collections.Counter()
+  top_level_us = collections.Counter()
+  warpgroups = collections.Counter()
+  for tid, events in by_tid.items():
+    role = ROLES[(tid - 1) % TRACES_PER_CTA]
+    events.sort(key=lambda e: e["ts"])
+    stack = []
+    for event in events:
+      if event["ph"] == "B":
+        stack.append(event)
+        continue
+      if not stack or stack[-1]["name"] != event["name"]:
+        raise ValueError(f"end of scope {event['name']!r} without its begin (tid {tid})")
+      begin = stack.pop()
+      length = event["ts"] - begin["ts"]
+      entry = totals[role][event["name"]]
+      entry[0] += 1
+      entry[1] += length
+      if not stack:
+        top_level_us[role] += length
+    time_us[role] += events[-1]["ts"] - events[0]["ts"]
+    warpgroups[role] += 1
+  roles = {}
+  for role, scopes in totals.items():
+    span = time_us[role]
+    roles[role] = {
+        "warpgroups": warpgroups[role],
+        "time_us": span,
+        "scopes": {name: {"count": n, "mean_us": total / n,
+                          "share": total / span if span else 0.0}
+                   for name, (n, total) in sorted(scopes.items(), key=lambda kv: -kv[1][1])},
+        "outside_scopes_share": 1.0 - top_level_us[role] / span if span else 0.0,
+    }
+  return {"roles": roles}
+
+
+def format_summary(summary: dict) -> str:
+  lines = []
+  for role, r in sorted(summary["roles"].items()):
+    lines.append(f"{role} warpgroups: {r['warpgroups']}, {r['time_us']:.1f} µs in all")
+    lines.append(f"  {'scope':14s} {'count':>8s} {'mean µs':>9s} {'share':>7s}")
+    for name, s in r["scopes"].items():
+      lines.append(f"  {name:14s} {s['count']:8d} {s['mean_us']:9.3f} {s['share']:7.1%}")
+    lines.append(f"  {'outside scopes':14s} {'':8s} {'':9s} {r['outside_scopes_share']:7.1%}")
+  return "\n".join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", required=True, help="output directory")
+  parser.add_argument("--head-dim", type=int, default=64, choices=(64, 128))
+  parser.add_argument("--batch", type=int, default=1,
+                      help="batch of the bench shape (N=16, S=4096; 1 keeps the trace small)")
+  args = parser.parse_args()
+  out = Path(args.out)
+  raw = out / "raw"
+  raw.mkdir(parents=True, exist_ok=True)
+
+  from pallas_kernels import _streaming
+  os.environ[_streaming.PROFILE_DIR_ENV] = str(raw.resolve())  # read when the kernel compiles
+  import jax
+  from experiments import bench_attention
+  from pallas_kernels.shapes import SHAPES
+
+  shape = dataclasses.replace(SHAPES[f"bench_h{args.head_dim}"], batch=args.batch)
+  before = set(glob.glob(str(raw / "*-trace.json")))
+  jax.block_until_ready(jax.jit(bench_attention._pope_pallas)(*bench_attention._inputs(shape)))
+  new = sorted(set(glob.glob(str(raw / "*-trace.json"))) - before)
+  if not new:
+    raise RuntimeError(f"the kernel wrote no trace into {raw} (is this a GPU?)")
+  with open(new[-1]) as f:
+    trace = json.load(f)
+  summary = {"shape": dataclasses.asdict(shape), "trace": os.path.basename(new[-1]),
+             **summarize(trace)}
+  text = format_summary(summary)
+  print(text)
+  (out / "summary.txt").write_text(text + "\n")
+  (out / "summary.json").write_text(json.dumps(summary, indent=1))
+  head = [e for e in trace["traceEvents"] if e["tid"] <= 30 * TRACES_PER_CTA]
+  (out / "trace_head.json").write_text(json.dumps({"displayTimeUnit": "ns",
+                                                   "traceEvents": head}))
+
+
+if __name__ == "__main__":
+  main()
