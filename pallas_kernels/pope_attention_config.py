@@ -22,7 +22,9 @@ class BlockSizes:
     stages: SMEM pipeline depth of the streamed operand (>= 2).
     ping_pong: forward only: the two compute warpgroups take turns on the tensor cores, one's
       softmax overlapping the other's matmuls (FlashAttention-3 §3.1). On by default here;
-      `default_block_sizes` turns it off at head dim 128.
+      `default_block_sizes` turns it off at head dim 128. As compiled (ptxas 13.5), the
+      handshake after the softmax arrives at its start, so the schedule orders the QKᵀ issues
+      and the softmaxes may overlap (docs/results, run 12).
     overlap: forward only: each compute warpgroup issues the QKᵀ of step s together with the
       PV of step s - 1 and runs the softmax of s while PV is on the tensor cores
       (FlashAttention-3 §3.2, intra-warpgroup overlap). A slot is then released one step

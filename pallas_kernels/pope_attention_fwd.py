@@ -169,7 +169,9 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
         l_i = l_i * alpha + p.sum(axis=1)
         if cast:
           p = p.astype(dtype)
-        if ping_pong:  # Finish the softmax before handing the tensor cores over.
+        if ping_pong:  # Finish the softmax before handing the tensor cores over. As compiled,
+          # ptxas still moves the handshake's arrive (no data dependency) to the start of the
+          # softmax; only its wait stays here (docs/results/attention_kernel.md, run 12).
           m_new, l_i, p, alpha = lax.optimization_barrier((m_new, l_i, p, alpha))
           handshake()
         return m_new, l_i, p, alpha
