@@ -182,11 +182,11 @@ def check(names, changes=({},)) -> list[dict]:
     shape = SHAPES[name]
     q, k, v, delta = _inputs(shape, seed=1)
     cot = jax.random.normal(jax.random.key(2), q.shape[:3] + (shape.value_dim,), jnp.float32)
-    blocks = dataclasses.replace(default_block_sizes(shape.head_dim), **change)
 
     def run(impl):
       def loss(q, k, v, delta):
-        if impl == "pallas" and change:
+        if impl == "pallas" and change:  # Invalid changes raise here: an error row.
+          blocks = dataclasses.replace(default_block_sizes(shape.head_dim), **change)
           out = kernel.pope_attention(q, k, v, delta, is_causal=shape.is_causal,
                                       block_sizes=blocks)
         else:

@@ -2,11 +2,16 @@
 
 Runs `pallas_kernels.pope_attention` forward once on the GPU with the kernel profiler on (see
 `pallas_kernels._streaming.PROFILE_DIR_ENV`): every warpgroup of every CTA records the start and
-end of the kernel's named scopes (wait_q, query_map, wait_kv, qk, softmax, pv, handshake, store;
-wait_release on the TMA warpgroup). The summary gives, per warpgroup role (compute, memory) and
-scope, the number of ranges, their mean length and their share of the warpgroup's time from its
-first to its last event; "outside scopes" is the rest (loop control, barrier arrivals, ...).
-Scopes nest (a handshake inside qk), so shares of nested scopes overlap their parents'.
+end of the kernel's named scopes (Init, wait_q, query_map, wait_kv, qk, softmax, pv, qk_pv,
+handshake, store; wait_release on the TMA warpgroup). The summary gives, per warpgroup role
+(compute, memory) and scope, the number of ranges, their mean length and their share of the
+warpgroup's time from its first to its last event; "outside scopes" is the rest (loop control,
+barrier arrivals, ...). Scopes nest (a handshake inside qk), so shares of nested scopes overlap
+their parents'.
+
+Unit: the profiler stamps each event with the SM's cycle counter (%clock) and writes the trace's
+"ts" as (start ns + cycles) / 1000, so a length in the trace is in thousands of SM cycles
+(kcycles), not µs.
 
   python -m experiments.trace_attention --out DIR [--head-dim 64] [--batch 1]
 
@@ -25,21 +30,23 @@ import json
 import os
 from pathlib import Path
 
+from pallas_kernels import _streaming
+
 # The traces of one CTA: its compute warpgroups, then the memory (TMA) warpgroup.
-TRACES_PER_CTA = 3
-ROLES = ("compute", "compute", "memory")
+ROLES = ("compute",) * _streaming.COMPUTE_WGS + ("memory",)
+TRACES_PER_CTA = len(ROLES)
 
 
 def summarize(trace: dict) -> dict:
-  """Per role and scope: count, mean length (µs) and share of the warpgroups' time.
+  """Per role and scope: count, mean length (kcycles) and share of the warpgroups' time.
 
   Args:
-    trace: a Mosaic GPU profiler trace (Chrome trace JSON: events with name, ph "B"/"E", ts in
-      µs, tid = 1 + trace index).
+    trace: a Mosaic GPU profiler trace (Chrome trace JSON: events with name, ph "B"/"E", ts
+      whose differences are thousands of SM cycles, tid = 1 + trace index).
 
   Returns:
-    {"roles": {role: {"warpgroups", "time_us", "scopes": {name: {"count", "mean_us",
-    "share"}}, "outside_scopes_share"}}}.
+    {"roles": {role: {"warpgroups", "time_kcycles", "scopes": {name: {"count",
+    "mean_kcycles", "share"}}, "outside_scopes_share"}}}.
 
   Raises:
     ValueError: an end event without its begin, or a trace with no events.
@@ -50,8 +57,8 @@ def summarize(trace: dict) -> dict:
   if not by_tid:
     raise ValueError("the trace has no events")
   totals = {role: collections.defaultdict(lambda: [0, 0.0]) for role in set(ROLES)}
-  time_us = collections.Counter()
-  top_level_us = collections.Counter()
+  time_k = collections.Counter()
+  top_level_k = collections.Counter()
   warpgroups = collections.Counter()
   for tid, events in by_tid.items():
     role = ROLES[(tid - 1) % TRACES_PER_CTA]
@@ -69,19 +76,19 @@ def summarize(trace: dict) -> dict:
       entry[0] += 1
       entry[1] += length
       if not stack:
-        top_level_us[role] += length
-    time_us[role] += events[-1]["ts"] - events[0]["ts"]
+        top_level_k[role] += length
+    time_k[role] += events[-1]["ts"] - events[0]["ts"]
     warpgroups[role] += 1
   roles = {}
   for role, scopes in totals.items():
-    span = time_us[role]
+    span = time_k[role]
     roles[role] = {
         "warpgroups": warpgroups[role],
-        "time_us": span,
-        "scopes": {name: {"count": n, "mean_us": total / n,
+        "time_kcycles": span,
+        "scopes": {name: {"count": n, "mean_kcycles": total / n,
                           "share": total / span if span else 0.0}
                    for name, (n, total) in sorted(scopes.items(), key=lambda kv: -kv[1][1])},
-        "outside_scopes_share": 1.0 - top_level_us[role] / span if span else 0.0,
+        "outside_scopes_share": 1.0 - top_level_k[role] / span if span else 0.0,
     }
   return {"roles": roles}
 
@@ -89,10 +96,10 @@ def summarize(trace: dict) -> dict:
 def format_summary(summary: dict) -> str:
   lines = []
   for role, r in sorted(summary["roles"].items()):
-    lines.append(f"{role} warpgroups: {r['warpgroups']}, {r['time_us']:.1f} µs in all")
-    lines.append(f"  {'scope':14s} {'count':>8s} {'mean µs':>9s} {'share':>7s}")
+    lines.append(f"{role} warpgroups: {r['warpgroups']}, {r['time_kcycles']:.1f} kcycles in all")
+    lines.append(f"  {'scope':14s} {'count':>8s} {'mean kcyc':>9s} {'share':>7s}")
     for name, s in r["scopes"].items():
-      lines.append(f"  {name:14s} {s['count']:8d} {s['mean_us']:9.3f} {s['share']:7.1%}")
+      lines.append(f"  {name:14s} {s['count']:8d} {s['mean_kcycles']:9.3f} {s['share']:7.1%}")
     lines.append(f"  {'outside scopes':14s} {'':8s} {'':9s} {r['outside_scopes_share']:7.1%}")
   return "\n".join(lines)
 
@@ -108,7 +115,6 @@ def main():
   raw = out / "raw"
   raw.mkdir(parents=True, exist_ok=True)
 
-  from pallas_kernels import _streaming
   os.environ[_streaming.PROFILE_DIR_ENV] = str(raw.resolve())  # read when the kernel compiles
   import jax
   from experiments import bench_attention

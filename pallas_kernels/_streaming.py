@@ -246,8 +246,8 @@ def compute_loops_overlapped(ranges, carry, skip, first, step, last):
   """
   u_lo, u_hi, lo, flo, fhi, hi = ranges
   carry = lax.fori_loop(u_lo, lo, skip, carry)
-  carry = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), first, carry)
   nxt = jnp.minimum(lo + 1, hi)
+  carry = lax.fori_loop(lo, nxt, first, carry)
   flo, fhi = jnp.maximum(flo, nxt), jnp.maximum(fhi, nxt)
   for start, stop, mode in ((nxt, flo, "masked"), (flo, fhi, "full"), (fhi, hi, "masked")):
     carry = lax.fori_loop(start, stop, lambda s, c, mode=mode: step(s, c, mode), carry)

@@ -29,8 +29,9 @@ class BlockSizes:
       PV of step s - 1 and runs the softmax of s while PV is on the tensor cores
       (FlashAttention-3 §3.2, intra-warpgroup overlap). A slot is then released one step
       later, so with `ping_pong` it needs stages >= 3 (with 2 the handshake and the slot reuse
-      wait on each other: deadlock). Off by default: on the H200 it ties the default at H = 64
-      (with ping-pong and 3 stages) and is slower at H = 128 (docs/results, run 11).
+      wait on each other: deadlock). Off by default: on the H200 its forward ties the
+      default's at H = 64 (with ping-pong and 3 stages; forward+backward is slower there) and
+      is slower at H = 128 (docs/results, run 11).
     split_dkv: compute the key-side gradients db (of the Cartesian keys) and dv in two launches
       rather than one (`pope_attention_dkv`): the dv launch repeats a bᵀ and the pass over the
       queries, but neither spills registers where the one launch's accumulators do not fit

@@ -157,8 +157,8 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
 
       @jax.named_scope("softmax")
       def softmax(s_blk, m_i, l_i, slot, mode, cast=True):
-        """Online softmax of one score tile: (m, l, P, rescale of the old acc); P in q's dtype
-        if `cast`, else float32."""
+        """Online softmax of one score tile: (m, l, P, alpha), alpha = the factor of the old
+        acc; P in q's dtype if `cast`, else float32."""
         if mode == "masked":
           kpos = st.row_vector(kpos_smem.at[slot], 1)
           visible = st.broadcast(kpos, (bq, bk), 1) <= st.broadcast(qpos, (bq, bk), 0)
@@ -169,18 +169,25 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
         l_i = l_i * alpha + p.sum(axis=1)
         if cast:
           p = p.astype(dtype)
-        if ping_pong:  # Finish the softmax before handing the tensor cores over. As compiled,
-          # ptxas still moves the handshake's arrive (no data dependency) to the start of the
-          # softmax; only its wait stays here (docs/results/attention_kernel.md, run 12).
-          m_new, l_i, p, alpha = lax.optimization_barrier((m_new, l_i, p, alpha))
-          handshake()
         return m_new, l_i, p, alpha
+
+      def hand_over(*values):
+        """Under ping-pong: finish computing `values`, then the handshake that hands the tensor
+        cores to the other warpgroup. As compiled, ptxas still moves the handshake's arrive (it
+        depends on no register) to the start of the softmax; only its wait stays here
+        (docs/results/attention_kernel.md, run 12)."""
+        if not ping_pong:
+          return values
+        values = lax.optimization_barrier(values)
+        handshake()
+        return values
 
       def rescale(acc, alpha):
         return acc * st.broadcast(alpha, (bq, vd), 0)
 
-      # Each step makes two handshakes (after issuing its matmuls, after the softmax); warpgroup
-      # 1 makes one before its first step and warpgroup 0 one after its last, so they alternate.
+      # Each step makes two handshakes (after issuing its matmuls, after the softmax; the
+      # overlapped schedule's `last` makes none); warpgroup 1 makes one before its first step and
+      # warpgroup 0 one after its last, so they alternate.
       def skip(s, carry):
         plgpu.barrier_arrive(consumed.at[wait_step(s)])
         if ping_pong:
@@ -197,8 +204,9 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
         with jax.named_scope("qk"):
           s_blk = st.matmul(*scores(slot), then=handshake)
         m_i, l_i, p, alpha = softmax(s_blk, m_i, l_i, slot, mode)
+        acc, m_i, l_i, p = hand_over(rescale(acc, alpha), m_i, l_i, p)
         with jax.named_scope("pv"):
-          acc = st.matmul_acc(rescale(acc, alpha), p, v_smem.at[slot])
+          acc = st.matmul_acc(acc, p, v_smem.at[slot])
         plgpu.barrier_arrive(consumed.at[slot])
         return acc, m_i, l_i
 
@@ -212,6 +220,7 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
         with jax.named_scope("qk"):
           s_blk = st.matmul(*scores(slot), then=handshake)
         m_i, l_i, p, _ = softmax(s_blk, m_i, l_i, slot, "masked")
+        m_i, l_i, p = hand_over(m_i, l_i, p)
         return acc, m_i, l_i, p
 
       def step_overlapped(s, carry, mode):
@@ -220,7 +229,8 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
         with jax.named_scope("qk_pv"):
           (m_i, l_i, p, alpha), acc = st.matmul_overlapped(
               *scores(slot), acc, p_prev, v_smem.at[prev],
-              lambda s_blk: softmax(s_blk, m_i, l_i, slot, mode, cast=False), then=handshake)
+              lambda s_blk: hand_over(*softmax(s_blk, m_i, l_i, slot, mode, cast=False)),
+              then=handshake)
         plgpu.barrier_arrive(consumed.at[prev])
         return rescale(acc, alpha), m_i, l_i, p.astype(dtype)
 

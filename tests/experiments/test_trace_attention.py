@@ -20,13 +20,13 @@ def test_summary_counts_shares_and_nesting():
   events += _range("wait_release", 0.0, 3.0, 3) + _range("wait_release", 5.0, 6.0, 3)
   summary = trace_attention.summarize({"traceEvents": events})
   compute = summary["roles"]["compute"]
-  assert compute["warpgroups"] == 1 and compute["time_us"] == 10.0
-  assert compute["scopes"]["qk"] == {"count": 1, "mean_us": 4.0, "share": 0.4}
+  assert compute["warpgroups"] == 1 and compute["time_kcycles"] == 10.0
+  assert compute["scopes"]["qk"] == {"count": 1, "mean_kcycles": 4.0, "share": 0.4}
   assert compute["scopes"]["handshake"]["share"] == 0.1  # nested inside qk
   assert compute["outside_scopes_share"] == pytest.approx(0.1)  # 4..5
   memory = summary["roles"]["memory"]
   assert memory["scopes"]["wait_release"]["count"] == 2
-  assert memory["scopes"]["wait_release"]["mean_us"] == 2.0
+  assert memory["scopes"]["wait_release"]["mean_kcycles"] == 2.0
   assert memory["outside_scopes_share"] == pytest.approx(1 / 3)
   assert "wait_release" in trace_attention.format_summary(summary)
 

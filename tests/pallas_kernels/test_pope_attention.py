@@ -201,7 +201,8 @@ def test_dk_dv_in_one_or_two_launches(head_dim, split_dkv):
 def test_forward_schedules(blocks, is_causal):
   # Several key steps per query tile (block_kv 64): skipped, masked and full ranges (for the
   # overlapped schedule, the release of each slot one step late), 128-row query tiles;
-  # warpgroups with no visible key (T < S, offsets).
+  # warpgroups with no visible key (T < S, offsets). The interpreter runs without ping-pong, so
+  # the second case checks its stage count only; the GPU check covers ping-pong.
   q, k, v, delta, _ = _problem((1, 2, 1, 32), 150, 330, seed=13)
   q_pos = jnp.arange(150, dtype=jnp.int32) * 2
   kw = dict(is_causal=is_causal, q_positions=q_pos, k_positions=jnp.arange(330))
