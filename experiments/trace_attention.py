@@ -15,9 +15,10 @@ Unit: the profiler stamps each event with the SM's cycle counter (%clock) and wr
 
   python -m experiments.trace_attention --out DIR [--head-dim 64] [--batch 1]
 
-Writes DIR/summary.json, DIR/summary.txt and DIR/trace_head.json (the first CTAs' events, for
-ui.perfetto.dev); the full trace stays in DIR/raw/. Profiling adds a few cycles per event, so
-the times are for proportions, not for the benchmark.
+Writes DIR/summary.json, DIR/summary.txt, DIR/shares.png (each scope's share, per role) and
+DIR/trace_head.json (the first CTAs' events, for ui.perfetto.dev); the full trace stays in
+DIR/raw/. Profiling adds a few cycles per event, so the times are for proportions, not for the
+benchmark.
 """
 
 from __future__ import annotations
@@ -104,6 +105,24 @@ def format_summary(summary: dict) -> str:
   return "\n".join(lines)
 
 
+def plot_summary(summary: dict, path) -> None:
+  """Horizontal bars: each scope's share of its warpgroups' time, one panel per role (PNG)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  roles = sorted(summary["roles"].items())
+  fig, axes = plt.subplots(1, len(roles), figsize=(5 * len(roles), 3.5), squeeze=False)
+  for ax, (role, r) in zip(axes[0], roles):
+    names = list(r["scopes"]) + ["outside scopes"]
+    shares = [s["share"] for s in r["scopes"].values()] + [r["outside_scopes_share"]]
+    ax.barh(names[::-1], [100 * x for x in shares[::-1]])
+    ax.set_xlabel("% of the warpgroups' time (nested scopes overlap)")
+    ax.set_title(f"{role} warpgroups ({r['warpgroups']})")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True, help="output directory")
@@ -134,6 +153,7 @@ def main():
   print(text)
   (out / "summary.txt").write_text(text + "\n")
   (out / "summary.json").write_text(json.dumps(summary, indent=1))
+  plot_summary(summary, out / "shares.png")
   head = [e for e in trace["traceEvents"] if e["tid"] <= 30 * TRACES_PER_CTA]
   (out / "trace_head.json").write_text(json.dumps({"displayTimeUnit": "ns",
                                                    "traceEvents": head}))

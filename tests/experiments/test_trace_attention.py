@@ -10,7 +10,7 @@ def _range(name, begin, end, tid):
           {"name": name, "ph": "E", "ts": end, "tid": tid}]
 
 
-def test_summary_counts_shares_and_nesting():
+def test_summary_counts_shares_and_nesting(tmp_path):
   events = []
   # CTA 0: compute warpgroup 0 (tid 1) and the memory warpgroup (tid 3).
   events += _range("qk", 0.0, 4.0, 1)[:1]
@@ -29,6 +29,8 @@ def test_summary_counts_shares_and_nesting():
   assert memory["scopes"]["wait_release"]["mean_kcycles"] == 2.0
   assert memory["outside_scopes_share"] == pytest.approx(1 / 3)
   assert "wait_release" in trace_attention.format_summary(summary)
+  trace_attention.plot_summary(summary, tmp_path / "shares.png")
+  assert (tmp_path / "shares.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_summary_rejects_unbalanced_traces():
