@@ -32,6 +32,10 @@ class BlockSizes:
       wait on each other: deadlock). Off by default: on the H200 its forward ties the
       default's at H = 64 (with ping-pong and 3 stages; forward+backward is slower there) and
       is slower at H = 128 (docs/results, run 11).
+    a_in_registers: forward only: keep each warpgroup's Cartesian query tile a in registers
+      as the left operand of QKᵀ, so the tensor cores read only the streamed keys from SMEM
+      (SMEM bandwidth: a 64-row wgmma with both operands in SMEM reads as many bytes per cycle
+      as the SMEM delivers). Costs D / 2 registers per thread for the whole loop.
     split_dkv: compute the key-side gradients db (of the Cartesian keys) and dv in two launches
       rather than one (`pope_attention_dkv`): the dv launch repeats a bᵀ and the pass over the
       queries, but neither spills registers where the one launch's accumulators do not fit
@@ -46,6 +50,7 @@ class BlockSizes:
   stages: int = 2
   ping_pong: bool = True
   overlap: bool = False
+  a_in_registers: bool = False
   split_dkv: bool = False
 
   def __post_init__(self):
@@ -54,7 +59,7 @@ class BlockSizes:
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"BlockSizes.{field} must be an int, got {value!r}")
-    for field in ("ping_pong", "overlap", "split_dkv"):
+    for field in ("ping_pong", "overlap", "a_in_registers", "split_dkv"):
       if not isinstance(getattr(self, field), bool):
         raise TypeError(f"BlockSizes.{field} must be a bool, got {getattr(self, field)!r}")
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",

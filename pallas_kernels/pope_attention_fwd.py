@@ -95,6 +95,8 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
   # is written only after the last step; a persistent kernel would have to order the next
   # tile's query copy after this store): at H = 128 a separate buffer would not fit.
   q_in_o = h == vd
+  # The Cartesian query tile a needs SMEM when it is QKᵀ's SMEM operand or is saved.
+  a_in_smem = save_a or not blocks.a_in_registers
 
   # The CPU interpreter runs each warpgroup as its own XLA:CPU execution, and on a 2-core machine
   # not all of them start at once. Two ways this can hang there, both seen under jit:
@@ -111,7 +113,11 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
                       o_ref, lse_ref, *rest):
     if save_a:
       a_ref, *rest = rest
-    (a_smem, o_smem, qpos_smem, lse_smem, rot_smem, qang_smem, b_smem, v_smem, kpos_smem,
+    if a_in_smem:
+      a_smem, *rest = rest
+    else:
+      a_smem = None
+    (o_smem, qpos_smem, lse_smem, rot_smem, qang_smem, b_smem, v_smem, kpos_smem,
      q_bar, qpos_bar, b_bar, v_bar, kpos_bar, consumed, schedule, *q_smem) = rest
     q_smem = o_smem if q_in_o else q_smem[0]
     batch = lax.axis_index("batch")
@@ -132,13 +138,17 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
       with jax.named_scope("wait_q"):
         plgpu.barrier_wait(q_bar.at[wg])
       with jax.named_scope("query_map"):
-        a_smem.at[wg][...] = cartesian_tile(
+        a = plgpu.layout_cast(cartesian_tile(
             plgpu.load(q_smem.at[wg], layout=plgpu.Layout.WGMMA),
             st.row_vector(qang_smem.at[wg], 0), st.row_vector(rot_smem.at[wg, 0], 1),
-            st.row_vector(rot_smem.at[wg, 1], 1), magnitude_scale, dtype)
-        plgpu.commit_smem()
+            st.row_vector(rot_smem.at[wg, 1], 1), magnitude_scale, dtype), plgpu.Layout.WGMMA)
+        if a_smem is not None:
+          a_smem.at[wg][...] = a
+          plgpu.commit_smem()
       if save_a:
         plgpu.copy_smem_to_gmem(a_smem.at[wg], a_ref.at[batch, rows, head])
+      # QKᵀ's left operand: a in registers (only b is then read from SMEM) or a's SMEM tile.
+      a_lhs = a if blocks.a_in_registers else a_smem.at[wg]
       plgpu.barrier_wait(qpos_bar.at[wg])
       qpos = st.row_vector(qpos_smem.at[wg], 0)
       ranges = st.read_ranges(tab_ref, batch, cta, wg)
@@ -153,7 +163,7 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
         return slot
 
       def scores(slot):
-        return a_smem.at[wg], b_smem.at[slot].transpose((1, 0)), (bq, bk)
+        return a_lhs, b_smem.at[slot].transpose((1, 0)), (bq, bk)
 
       @jax.named_scope("softmax")
       def softmax(s_blk, m_i, l_i, slot, mode, cast=True):
@@ -282,8 +292,8 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
                           copies)
 
   tf = st.tile_transforms()
-  scratch = [
-      plgpu.SMEM((st.COMPUTE_WGS, bq, d), dtype, transforms=tf),
+  scratch = [plgpu.SMEM((st.COMPUTE_WGS, bq, d), dtype, transforms=tf)] if a_in_smem else []
+  scratch += [
       plgpu.SMEM((st.COMPUTE_WGS, bq, vd), dtype, transforms=tf),
       plgpu.SMEM((st.COMPUTE_WGS, bq), jnp.float32),
       plgpu.SMEM((st.COMPUTE_WGS, bq), jnp.float32),

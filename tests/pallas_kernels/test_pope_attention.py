@@ -197,6 +197,8 @@ def test_dk_dv_in_one_or_two_launches(head_dim, split_dkv):
     (BlockSizes(block_kv=64, overlap=True, stages=3), True),
     (BlockSizes(block_kv=64, overlap=True, ping_pong=False), False),
     (BlockSizes(block_q=128, block_kv=64), True),
+    (BlockSizes(block_kv=64, a_in_registers=True), True),
+    (BlockSizes(block_kv=64, a_in_registers=True, overlap=True, ping_pong=False), False),
 ])
 def test_forward_schedules(blocks, is_causal):
   # Several key steps per query tile (block_kv 64): skipped, masked and full ranges (for the
