@@ -20,6 +20,8 @@ class BlockSizes:
     block_q_dq, block_kv_dq: dq kernel (resident queries, streamed keys).
     block_kv_dkv, block_q_dkv: dk/dv kernel (resident keys, streamed queries).
     stages: SMEM pipeline depth of the streamed operand (>= 2).
+    stages_fwd: the forward's pipeline depth, if other than `stages` (the forward has room for
+      a deeper pipeline than the backward kernels, whose resident tiles are larger).
     ping_pong: forward only: the two compute warpgroups take turns on the tensor cores, one's
       softmax overlapping the other's matmuls (FlashAttention-3 §3.1). On by default here;
       `default_block_sizes` turns it off at head dim 128. As compiled (ptxas 13.5), the
@@ -34,8 +36,10 @@ class BlockSizes:
       is slower at H = 128 (docs/results, run 11).
     a_in_registers: forward only: keep each warpgroup's Cartesian query tile a in registers
       as the left operand of QKᵀ, so the tensor cores read only the streamed keys from SMEM
-      (SMEM bandwidth: a 64-row wgmma with both operands in SMEM reads as many bytes per cycle
-      as the SMEM delivers). Costs D / 2 registers per thread for the whole loop.
+      (a 64-row wgmma with both operands in SMEM reads up to 128 bytes per cycle, the SMEM's
+      bandwidth). Costs D / 2 registers per thread for the whole loop and frees a's SMEM tile
+      (when a is saved for the backward and V = H, a passes through the output tile's SMEM).
+      Faster at H = 64 and 128 on the H200 (docs/results, run 13).
     split_dkv: compute the key-side gradients db (of the Cartesian keys) and dv in two launches
       rather than one (`pope_attention_dkv`): the dv launch repeats a bᵀ and the pass over the
       queries, but neither spills registers where the one launch's accumulators do not fit
@@ -48,9 +52,10 @@ class BlockSizes:
   block_kv_dkv: int = 64
   block_q_dkv: int = 64
   stages: int = 2
+  stages_fwd: int | None = None
   ping_pong: bool = True
   overlap: bool = False
-  a_in_registers: bool = False
+  a_in_registers: bool = True
   split_dkv: bool = False
 
   def __post_init__(self):
@@ -67,11 +72,21 @@ class BlockSizes:
       value = getattr(self, field)
       if value <= 0 or value % 64:
         raise ValueError(f"BlockSizes.{field} must be a positive multiple of 64, got {value}")
-    if self.stages < 2:
-      raise ValueError(f"BlockSizes.stages must be at least 2, got {self.stages}")
-    if self.overlap and self.ping_pong and self.stages < 3:
-      raise ValueError("BlockSizes.overlap with ping_pong needs stages >= 3 (a slot is released "
-                       f"one step later), got stages={self.stages}")
+    if self.stages_fwd is not None and (not isinstance(self.stages_fwd, int)
+                                        or isinstance(self.stages_fwd, bool)):
+      raise TypeError(f"BlockSizes.stages_fwd must be an int or None, got {self.stages_fwd!r}")
+    for field in ("stages", "stages_fwd"):
+      value = getattr(self, field)
+      if value is not None and value < 2:
+        raise ValueError(f"BlockSizes.{field} must be at least 2, got {value}")
+    if self.overlap and self.ping_pong and self.forward_stages < 3:
+      raise ValueError("BlockSizes.overlap with ping_pong needs forward stages >= 3 (a slot is "
+                       f"released one step later), got {self.forward_stages}")
+
+  @property
+  def forward_stages(self) -> int:
+    """The forward kernel's pipeline depth: `stages_fwd`, else `stages`."""
+    return self.stages if self.stages_fwd is None else self.stages_fwd
 
   @property
   def seq_multiple(self) -> int:
@@ -96,7 +111,11 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
   Measured on the H200 (docs/results/attention_kernel.md): at H <= 64 the best of four block
   shapes, with the ping-pong forward (6 % faster there, across runs); at H = 128 ping-pong made no
   difference beyond run-to-run noise (-4 % and +0.4 % in two runs), so the plain schedule stays.
+  At both, the forward keeps a in registers and streams through three stages (run 13); the
+  backward kernels keep two (at H = 128 three do not fit in SMEM).
   """
   if head_dim <= 64:
-    return BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128, stages=2)
-  return BlockSizes(block_q=64, block_kv=64, stages=2, ping_pong=False, split_dkv=True)
+    return BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128, stages=2,
+                      stages_fwd=3)
+  return BlockSizes(block_q=64, block_kv=64, stages=2, stages_fwd=3, ping_pong=False,
+                    split_dkv=True)

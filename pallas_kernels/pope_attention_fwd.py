@@ -34,6 +34,11 @@ _TWO_PI_LO = 2 * math.pi - _TWO_PI_HI
 
 
 def cartesian_tile(x, pos, freq, phase, magnitude_scale: float, dtype):
+  """In-kernel PoPE Cartesian map of one tile: the concatenation of `cartesian_halves`."""
+  return jnp.concatenate(cartesian_halves(x, pos, freq, phase, magnitude_scale, dtype), axis=1)
+
+
+def cartesian_halves(x, pos, freq, phase, magnitude_scale: float, dtype):
   """In-kernel PoPE Cartesian map of one tile (PoPE Eq. 7-10; `encodings.polar_to_cartesian`).
 
   Args:
@@ -43,10 +48,10 @@ def cartesian_tile(x, pos, freq, phase, magnitude_scale: float, dtype):
     dtype: result dtype.
 
   Returns:
-    [R, 2H] concat(μ cos φ, μ sin φ)·magnitude_scale, φ = pos·θ + phase, μ = softplus(x) =
-    max(x, 0) + log(1 + exp(-|x|)). As in the reference map, pos·θ is one float32 product and
-    the phase is added without rounding it again: pos·θ is reduced to about [-π, π] first
-    (Cody-Waite, 2π in two parts; the subtraction is exact below 4e5 rad), then the phase
+    (μ cos φ, μ sin φ)·magnitude_scale, each [R, H] in `dtype`, φ = pos·θ + phase, μ =
+    softplus(x) = max(x, 0) + log(1 + exp(-|x|)). As in the reference map, pos·θ is one
+    float32 product and the phase is added without rounding it again: pos·θ is reduced to
+    about [-π, π] first (Cody-Waite, 2π in two parts; the subtraction is exact below 4e5 rad), then the phase
     (|phase| <= 2π) is added and the sum wrapped back by 2π. cos and sin run as the hardware
     approximations on the GPU (absolute error ~1e-6, below bf16's rounding).
   """
@@ -58,7 +63,7 @@ def cartesian_tile(x, pos, freq, phase, magnitude_scale: float, dtype):
                                                               ang))
   x = x.astype(jnp.float32)
   mag = (jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))) * magnitude_scale
-  return jnp.concatenate([mag * jnp.cos(ang), mag * jnp.sin(ang)], axis=1).astype(dtype)
+  return (mag * jnp.cos(ang)).astype(dtype), (mag * jnp.sin(ang)).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=('blocks', 'magnitude_scale', 'save_a'))
@@ -88,15 +93,16 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
   _, s_len, kv_heads, vd = v.shape
   d = 2 * h
   group = n_heads // kv_heads
-  bq, bk, stages = blocks.block_q, blocks.block_kv, blocks.stages
+  bq, bk, stages = blocks.block_q, blocks.block_kv, blocks.forward_stages
   n_ctas = t_len // (st.COMPUTE_WGS * bq)
   dtype = q.dtype
   # The query tile is staged in the output tile's SMEM when the two have one width (the output
   # is written only after the last step; a persistent kernel would have to order the next
   # tile's query copy after this store): at H = 128 a separate buffer would not fit.
   q_in_o = h == vd
-  # The Cartesian query tile a needs SMEM when it is QKᵀ's SMEM operand or is saved.
-  a_in_smem = save_a or not blocks.a_in_registers
+  # The Cartesian query tile a has its own SMEM tile when it is QKᵀ's SMEM operand, or when it
+  # is saved and cannot pass through the output tile's (2 halves of width H = V).
+  a_in_smem = not blocks.a_in_registers or (save_a and not q_in_o)
 
   # The CPU interpreter runs each warpgroup as its own XLA:CPU execution, and on a 2-core machine
   # not all of them start at once. Two ways this can hang there, both seen under jit:
@@ -138,15 +144,22 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
       with jax.named_scope("wait_q"):
         plgpu.barrier_wait(q_bar.at[wg])
       with jax.named_scope("query_map"):
-        a = plgpu.layout_cast(cartesian_tile(
+        halves = cartesian_halves(
             plgpu.load(q_smem.at[wg], layout=plgpu.Layout.WGMMA),
             st.row_vector(qang_smem.at[wg], 0), st.row_vector(rot_smem.at[wg, 0], 1),
-            st.row_vector(rot_smem.at[wg, 1], 1), magnitude_scale, dtype), plgpu.Layout.WGMMA)
+            st.row_vector(rot_smem.at[wg, 1], 1), magnitude_scale, dtype)
+        a = plgpu.layout_cast(jnp.concatenate(halves, axis=1), plgpu.Layout.WGMMA)
         if a_smem is not None:
           a_smem.at[wg][...] = a
           plgpu.commit_smem()
-      if save_a:
+      if save_a and a_smem is not None:
         plgpu.copy_smem_to_gmem(a_smem.at[wg], a_ref.at[batch, rows, head])
+      elif save_a:  # Each half through the output tile's SMEM (free until the final store).
+        for i, half in enumerate(halves):
+          o_smem.at[wg][...] = half
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(o_smem.at[wg], a_ref.at[batch, rows, head, pl.ds(i * h, h)])
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       # QKᵀ's left operand: a in registers (only b is then read from SMEM) or a's SMEM tile.
       a_lhs = a if blocks.a_in_registers else a_smem.at[wg]
       plgpu.barrier_wait(qpos_bar.at[wg])

@@ -174,12 +174,14 @@ def test_unsupported_inputs_raise():
     kernel.pope_attention(q64, q64, q64)
 
 
-@pytest.mark.parametrize("head_dim, split_dkv", [(64, False), (64, True), (128, False)])
-def test_dk_dv_in_one_or_two_launches(head_dim, split_dkv):
+@pytest.mark.parametrize("head_dim, split_dkv, a_in_registers", [
+    (64, False, True), (64, True, True), (128, False, True), (64, False, False)])
+def test_dk_dv_in_one_or_two_launches(head_dim, split_dkv, a_in_registers):
   # The defaults (one launch at H = 64, two at H = 128; the latter in the hypothesis test) and
-  # the other schedule at each head dim.
+  # the other schedule at each head dim; the forward saving a from its own SMEM tile.
   q, k, v, delta, cot = _problem((1, 2, 1, head_dim), 90, 120, seed=7)
-  blocks = dataclasses.replace(default_block_sizes(head_dim), split_dkv=split_dkv)
+  blocks = dataclasses.replace(default_block_sizes(head_dim), split_dkv=split_dkv,
+                               a_in_registers=a_in_registers)
 
   def loss(q, k, v, delta):
     out = kernel.pope_attention(q, k, v, delta, is_causal=True, block_sizes=blocks)
@@ -197,8 +199,9 @@ def test_dk_dv_in_one_or_two_launches(head_dim, split_dkv):
     (BlockSizes(block_kv=64, overlap=True, stages=3), True),
     (BlockSizes(block_kv=64, overlap=True, ping_pong=False), False),
     (BlockSizes(block_q=128, block_kv=64), True),
-    (BlockSizes(block_kv=64, a_in_registers=True), True),
-    (BlockSizes(block_kv=64, a_in_registers=True, overlap=True, ping_pong=False), False),
+    (BlockSizes(block_kv=64, a_in_registers=False), True),
+    (BlockSizes(block_kv=64, a_in_registers=False, overlap=True, ping_pong=False), False),
+    (BlockSizes(block_kv=64, stages_fwd=3), True),
 ])
 def test_forward_schedules(blocks, is_causal):
   # Several key steps per query tile (block_kv 64): skipped, masked and full ranges (for the
@@ -230,6 +233,11 @@ def test_block_sizes_validate():
     BlockSizes(block_kv=96)
   with pytest.raises(ValueError, match="stages"):
     BlockSizes(stages=1)
+  with pytest.raises(ValueError, match="stages_fwd"):
+    BlockSizes(stages_fwd=1)
+  with pytest.raises(ValueError, match="forward stages"):
+    BlockSizes(overlap=True, stages=3, stages_fwd=2)
+  assert BlockSizes(overlap=True, stages_fwd=3).forward_stages == 3
   assert default_block_sizes(64).seq_multiple == 128
 
 
