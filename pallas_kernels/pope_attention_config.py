@@ -105,17 +105,21 @@ def _gcd(a: int, b: int) -> int:
   return a
 
 
-def default_block_sizes(head_dim: int) -> BlockSizes:
-  """Heuristic default for PoPE head dim H (q/k tiles are 2H wide; SMEM and registers bound).
+def default_block_sizes(head_dim: int, value_dim: int | None = None) -> BlockSizes:
+  """Heuristic default for PoPE head dim H and value width V (default H); q/k tiles are 2H wide,
+  SMEM and registers bound.
 
   Measured on the H200 (docs/results/attention_kernel.md): at H <= 64 the best of four block
   shapes, with the ping-pong forward (6 % faster there, across runs); at H = 128 ping-pong made no
   difference beyond run-to-run noise (-4 % and +0.4 % in two runs), so the plain schedule stays.
-  At both, the forward keeps a in registers and streams through three stages (run 13); the
-  backward kernels keep two (at H = 128 three do not fit in SMEM).
+  At both, the forward keeps a in registers and streams through three stages (run 13) where
+  they fit in SMEM: when V = H, the saved a passes through the output tile's SMEM; otherwise a
+  keeps its own tile and the forward two stages. The backward kernels keep two (at H = 128
+  three do not fit).
   """
+  stages_fwd = 3 if value_dim in (None, head_dim) else None
   if head_dim <= 64:
     return BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128, stages=2,
-                      stages_fwd=3)
-  return BlockSizes(block_q=64, block_kv=64, stages=2, stages_fwd=3, ping_pong=False,
+                      stages_fwd=stages_fwd)
+  return BlockSizes(block_q=64, block_kv=64, stages=2, stages_fwd=stages_fwd, ping_pong=False,
                     split_dkv=True)

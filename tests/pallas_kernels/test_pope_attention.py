@@ -246,6 +246,10 @@ def test_block_size_defaults_and_types():
   # dv in two launches at H = 128, where one launch spills registers.
   assert default_block_sizes(64).ping_pong and not default_block_sizes(128).ping_pong
   assert default_block_sizes(128).split_dkv and not default_block_sizes(64).split_dkv
+  # A third forward stage where a needs no SMEM tile of its own (V = H).
+  assert default_block_sizes(128).forward_stages == 3
+  assert default_block_sizes(128, 64).forward_stages == 2
+  assert default_block_sizes(64, 64).forward_stages == 3
   with pytest.raises(TypeError, match="split_dkv"):
     BlockSizes(split_dkv=1)
   with pytest.raises(TypeError, match="stages"):
