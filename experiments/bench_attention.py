@@ -214,9 +214,11 @@ def check(names, changes=({},)) -> list[dict]:
 VARIANTS = {  # Changes to each head dim's default (`default_block_sizes`); {} is the default.
     "bench_h64": [dataclasses.replace(default_block_sizes(64), **change) for change in (
         {}, {"a_in_registers": False, "stages_fwd": None}, {"stages_fwd": 4}, {"overlap": True},
-        {"overlap": True, "stages_fwd": 4}, {"block_q_dkv": 64})],
+        {"exp2_fma_columns": 16}, {"exp2_fma_columns": 32}, {"exp2_fma_columns": 48},
+        {"exp2_fma_columns": 32, "stages_fwd": 4})],
     "bench_h128": [dataclasses.replace(default_block_sizes(128), **change) for change in (
-        {}, {"a_in_registers": False, "stages_fwd": None}, {"ping_pong": True})],
+        {}, {"a_in_registers": False, "stages_fwd": None}, {"exp2_fma_columns": 8},
+        {"exp2_fma_columns": 16})],
 }
 
 
