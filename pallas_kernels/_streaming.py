@@ -255,39 +255,6 @@ def compute_loops_overlapped(ranges, carry, skip, first, step, last):
   return lax.fori_loop(hi, u_hi, skip, carry)
 
 
-# 2**f on [-1/2, 1/2] as 1 + f (c1 + f (c2 + f c3)): minimax relative error 1.0e-4 (a linear
-# program on 20001 points), far below bf16's rounding of P (2**-9); p(0) = 1 exactly.
-_EXP2_POLY = (0.6932827, 0.24221104, 0.0550097)
-_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: x + this rounds x to an integer in the low bits
-
-
-def exp2_fma(x: jax.Array) -> jax.Array:
-  """2**x for float32 x <= 0 on the FMA and integer pipes instead of the SFU.
-
-  FlashAttention-4's software exp2 (Zadouri et al. 2026, §3): x = j + f with j = round(x)
-  (added to a magic constant, so no conversion instruction) and f in [-1/2, 1/2]; 2**f by a
-  cubic; j is added to the result's exponent bits. About 9 instructions per element, against
-  the SFU's 16 per cycle per SM. Relative error <= 1.1e-4; x is clamped at -127, where the
-  result is exactly 0, so -inf (masked scores) gives 0.
-
-  Args:
-    x: float32 array (any shape and layout), every entry <= 0 (or -inf).
-
-  Returns:
-    float32 array of x's shape: 2**x, flushed to 0 below 2**-127 (subnormal above).
-  """
-  x = jnp.maximum(x, -127.0)
-  # The barrier keeps XLA's simplifier (the CPU interpreter) from folding (x + C) - C to x.
-  rounded = lax.optimization_barrier(x + _ROUND_MAGIC)
-  f = x - (rounded - _ROUND_MAGIC)
-  c1, c2, c3 = _EXP2_POLY
-  poly = 1.0 + f * (c1 + f * (c2 + f * c3))
-  # The low 9 bits of `rounded`'s bits hold j (two's complement); shifted to the exponent field.
-  exponent = lax.shift_left(lax.bitcast_convert_type(rounded, jnp.int32), jnp.int32(23))
-  return lax.bitcast_convert_type(lax.bitcast_convert_type(poly, jnp.int32) + exponent,
-                                  jnp.float32)
-
-
 def row_vector(smem_ref, rows_axis: int):
   """Loads a [n] float32 SMEM vector laid out along `rows_axis` of a WGMMA tile."""
   return plgpu.load(smem_ref, layout=plgpu.Layout.WGMMA.reduce(1 - rows_axis))

@@ -40,9 +40,6 @@ class BlockSizes:
       bandwidth). Costs D / 2 registers per thread for the whole loop and frees a's SMEM tile
       (when a is saved for the backward and V = H, a passes through the output tile's SMEM).
       Faster at H = 64 and 128 on the H200 (docs/results, run 13).
-    exp2_fma_columns: forward only: of each step's block_kv score columns, this many (a
-      multiple of 8) take exp2 on the FMA pipe (`_streaming.exp2_fma`, FlashAttention-4's
-      software exp2), the rest on the SFUs, which the softmax otherwise saturates.
     split_dkv: compute the key-side gradients db (of the Cartesian keys) and dv in two launches
       rather than one (`pope_attention_dkv`): the dv launch repeats a bᵀ and the pass over the
       queries, but neither spills registers where the one launch's accumulators do not fit
@@ -59,12 +56,11 @@ class BlockSizes:
   ping_pong: bool = True
   overlap: bool = False
   a_in_registers: bool = True
-  exp2_fma_columns: int = 0
   split_dkv: bool = False
 
   def __post_init__(self):
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",
-                  "block_q_dkv", "stages", "exp2_fma_columns"):
+                  "block_q_dkv", "stages"):
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"BlockSizes.{field} must be an int, got {value!r}")
@@ -76,10 +72,6 @@ class BlockSizes:
       value = getattr(self, field)
       if value <= 0 or value % 64:
         raise ValueError(f"BlockSizes.{field} must be a positive multiple of 64, got {value}")
-    if self.exp2_fma_columns < 0 or self.exp2_fma_columns % 8 or \
-        self.exp2_fma_columns > self.block_kv:
-      raise ValueError("BlockSizes.exp2_fma_columns must be a multiple of 8 in [0, block_kv], "
-                       f"got {self.exp2_fma_columns} (block_kv {self.block_kv})")
     if self.stages_fwd is not None and (not isinstance(self.stages_fwd, int)
                                         or isinstance(self.stages_fwd, bool)):
       raise TypeError(f"BlockSizes.stages_fwd must be an int or None, got {self.stages_fwd!r}")

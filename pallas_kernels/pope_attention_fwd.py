@@ -94,7 +94,6 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
   d = 2 * h
   group = n_heads // kv_heads
   bq, bk, stages = blocks.block_q, blocks.block_kv, blocks.forward_stages
-  fma_cols = blocks.exp2_fma_columns
   n_ctas = t_len // (st.COMPUTE_WGS * bq)
   dtype = q.dtype
   # The query tile is staged in the output tile's SMEM when the two have one width (the output
@@ -189,12 +188,7 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
           s_blk = jnp.where(visible, s_blk, st.NEG_INF)
         m_new = jnp.maximum(m_i, s_blk.max(axis=1))
         alpha = jnp.exp2(m_i - m_new)
-        x = s_blk - st.broadcast(m_new, (bq, bk), 0)
-        if fma_cols:  # The last columns' exp2 on the FMA pipe, the others on the SFU.
-          p = jnp.concatenate([jnp.exp2(x[:, :bk - fma_cols]), st.exp2_fma(x[:, bk - fma_cols:])],
-                              axis=1)
-        else:
-          p = jnp.exp2(x)
+        p = jnp.exp2(s_blk - st.broadcast(m_new, (bq, bk), 0))
         l_i = l_i * alpha + p.sum(axis=1)
         if cast:
           p = p.astype(dtype)

@@ -202,7 +202,6 @@ def test_dk_dv_in_one_or_two_launches(head_dim, split_dkv, a_in_registers):
     (BlockSizes(block_kv=64, a_in_registers=False), True),
     (BlockSizes(block_kv=64, a_in_registers=False, overlap=True, ping_pong=False), False),
     (BlockSizes(block_kv=64, stages_fwd=3), True),
-    (BlockSizes(block_kv=64, exp2_fma_columns=24), True),
 ])
 def test_forward_schedules(blocks, is_causal):
   # Several key steps per query tile (block_kv 64): skipped, masked and full ranges (for the
@@ -239,20 +238,6 @@ def test_block_sizes_validate():
   with pytest.raises(ValueError, match="forward stages"):
     BlockSizes(overlap=True, stages=3, stages_fwd=2)
   assert BlockSizes(overlap=True, stages_fwd=3).forward_stages == 3
-  for columns in (-8, 12, 136):
-    with pytest.raises(ValueError, match="exp2_fma_columns"):
-      BlockSizes(exp2_fma_columns=columns)
-
-
-def test_exp2_fma_matches_exp2():
-  # Every float32 exponent from -127 to 0, several mantissas each, and -inf.
-  x = np.concatenate([-np.geomspace(1e-7, 127.0, 20001), -np.arange(128.0), [0.0, -np.inf]])
-  got = np.asarray(jax.jit(_streaming.exp2_fma)(jnp.asarray(x, jnp.float32)), np.float64)
-  want = np.exp2(x.astype(np.float32).astype(np.float64))
-  normal = want >= 2.0 ** -126
-  assert np.all(np.abs(got[normal] / want[normal] - 1) <= 1.1e-4)
-  assert np.all(np.abs(got[~normal] - want[~normal]) <= 2.0 ** -126)
-  assert got[-1] == 0.0 and got[-2] == 1.0 and np.all(got[x <= -127] == 0.0)
   assert default_block_sizes(64).seq_multiple == 128
 
 
