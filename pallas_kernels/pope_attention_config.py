@@ -36,10 +36,11 @@ class BlockSizes:
       is slower at H = 128 (docs/results, run 11).
     a_in_registers: forward only: keep each warpgroup's Cartesian query tile a in registers
       as the left operand of QKᵀ, so the tensor cores read only the streamed keys from SMEM
-      (a 64-row wgmma with both operands in SMEM reads up to 128 bytes per cycle, the SMEM's
-      bandwidth). Costs D / 2 registers per thread for the whole loop and frees a's SMEM tile
-      (when a is saved for the backward and V = H, a passes through the output tile's SMEM).
-      Faster at H = 64 and 128 on the H200 (docs/results, run 13).
+      (a 64-row wgmma with both operands in SMEM can ask for as many bytes per cycle as the
+      SMEM delivers). Costs D / 2 registers per thread for the whole loop and frees a's SMEM
+      tile (when a is saved for the backward and V = H, a passes through the output tile's
+      SMEM). On the H200, with three forward stages: 5-6 % faster at H = 128, within noise to
+      6 % at H = 64 (docs/results, run 13).
     split_dkv: compute the key-side gradients db (of the Cartesian keys) and dv in two launches
       rather than one (`pope_attention_dkv`): the dv launch repeats a bᵀ and the pass over the
       queries, but neither spills registers where the one launch's accumulators do not fit

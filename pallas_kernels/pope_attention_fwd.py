@@ -51,9 +51,10 @@ def cartesian_halves(x, pos, freq, phase, magnitude_scale: float, dtype):
     (μ cos φ, μ sin φ)·magnitude_scale, each [R, H] in `dtype`, φ = pos·θ + phase, μ =
     softplus(x) = max(x, 0) + log(1 + exp(-|x|)). As in the reference map, pos·θ is one
     float32 product and the phase is added without rounding it again: pos·θ is reduced to
-    about [-π, π] first (Cody-Waite, 2π in two parts; the subtraction is exact below 4e5 rad), then the phase
-    (|phase| <= 2π) is added and the sum wrapped back by 2π. cos and sin run as the hardware
-    approximations on the GPU (absolute error ~1e-6, below bf16's rounding).
+    about [-π, π] first (Cody-Waite, 2π in two parts; the subtraction is exact below 4e5
+    rad), then the phase (|phase| <= 2π) is added and the sum wrapped back by 2π. cos and sin
+    run as the hardware approximations on the GPU (absolute error ~1e-6, below bf16's
+    rounding).
   """
   rows, h = x.shape
   ang = st.broadcast(pos, (rows, h), 0) * st.broadcast(freq, (rows, h), 1)
