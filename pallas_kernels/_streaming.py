@@ -119,17 +119,23 @@ def stream(u_lo, u_hi, stages: int, consumed, issue):
   lax.fori_loop(jnp.maximum(u_lo, u_hi - stages), u_hi, drain, None)
 
 
-def memory_warpgroup(visit, stages: int, consumed, copies):
+def memory_warpgroup(visit, stages: int, consumed, ready, copies):
   """The TMA warpgroup of every kernel here: for each step s of the tile's visit range
-  `visit` = (u_lo, u_hi), copies each (gmem source, smem buffers, barriers) of `copies(s)` into
-  the step's slot, reusing a slot once the compute warpgroups released it."""
+  `visit` = (u_lo, u_hi), copies each (gmem source, smem buffers) of `copies(s)` into the
+  step's slot, reusing a slot once the compute warpgroups released it. All copies of a slot
+  signal its `ready` barrier (`ready_barrier`), so a step waits once."""
   plgpu.set_max_registers(40, action="decrease")
 
   def issue(s, slot):
-    for src, dst, bar in copies(s):
-      plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
+    for src, dst in copies(s):
+      plgpu.copy_gmem_to_smem(src, dst.at[slot], ready.at[slot])
 
   stream(visit[0], visit[1], stages, consumed, issue)
+
+
+def ready_barrier(stages: int, copies_per_step: int):
+  """Per slot, the barrier that the step's `copies_per_step` TMA copies complete together."""
+  return plgpu.Barrier(num_arrivals=copies_per_step, num_barriers=stages)
 
 
 def schedule_barrier(barrier) -> None:

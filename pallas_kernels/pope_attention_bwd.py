@@ -48,7 +48,7 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
 
   def pope_dq_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
                      tab_ref, dq_ref, a_smem, do_smem, lse_smem, delta_smem, qpos_smem, b_smem,
-                     v_smem, kpos_smem, res_bar, b_bar, v_bar, kpos_bar, consumed):
+                     v_smem, kpos_smem, res_bar, ready, consumed):
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
     cta = st.longest_first(lax.axis_index("q_tiles"), t_len // (st.COMPUTE_WGS * bq))
     wg = lax.axis_index("wg")
@@ -73,8 +73,7 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
 
       def step(s, dq_acc, mode):
         slot = st.slot_of(s, u_lo, stages)
-        for bar in (b_bar, v_bar, kpos_bar):
-          plgpu.barrier_wait(bar.at[slot])
+        plgpu.barrier_wait(ready.at[slot])
         if mode == "skip":
           plgpu.barrier_arrive(consumed.at[slot])
           return dq_acc
@@ -103,12 +102,11 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
 
       def copies(s):
         cols = pl.ds(s * bk, bk)
-        return ((b_ref.at[batch, cols, kv_head], b_smem, b_bar),
-                (v_ref.at[batch, cols, kv_head], v_smem, v_bar),
-                (kpos_ref.at[batch, cols], kpos_smem, kpos_bar))
+        return ((b_ref.at[batch, cols, kv_head], b_smem), (v_ref.at[batch, cols, kv_head], v_smem),
+                (kpos_ref.at[batch, cols], kpos_smem))
 
       st.memory_warpgroup((tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]), stages, consumed,
-                          copies)
+                          ready, copies)
 
   tf = st.tile_transforms()
   wgs = st.COMPUTE_WGS
@@ -122,9 +120,7 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
       plgpu.SMEM((stages, bk, vd), dtype, transforms=tf),
       plgpu.SMEM((stages, bk), jnp.float32),
       plgpu.Barrier(num_barriers=5 * wgs),
-      plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_barriers=stages),
+      st.ready_barrier(stages, 3),
       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
   ]
   return plgpu.kernel(
@@ -184,7 +180,7 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks, outputs):
   streamed = ("a", "do", "lse", "qpos") + (("delta",) if want_db else ())
 
   def pope_dkv_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
-                      tab_ref, out_refs, smem, str_smem, res_bar, str_bar, consumed):
+                      tab_ref, out_refs, smem, str_smem, res_bar, ready, consumed):
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
     # Key tile 0 sees the most queries under a causal mask: the natural order is longest-first.
     cta, wg = lax.axis_index("k_tiles"), lax.axis_index("wg")
@@ -207,8 +203,7 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks, outputs):
 
       def step(s, accs, mode):
         slot = st.slot_of(s, u_lo, stages)
-        for name in streamed:
-          plgpu.barrier_wait(str_bar[name].at[slot])
+        plgpu.barrier_wait(ready.at[slot])
         if mode == "skip":
           plgpu.barrier_arrive(consumed.at[slot])
           return accs
@@ -251,10 +246,10 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks, outputs):
         src = {"a": a_ref.at[batch, rows, head], "do": do_ref.at[batch, rows, head],
                "lse": lse_ref.at[batch, head, rows], "delta": delta_ref.at[batch, head, rows],
                "qpos": qpos_ref.at[batch, rows]}
-        return tuple((src[n], str_smem[n], str_bar[n]) for n in streamed)
+        return tuple((src[n], str_smem[n]) for n in streamed)
 
       st.memory_warpgroup((tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]), stages, consumed,
-                          copies)
+                          ready, copies)
 
   tf = st.tile_transforms()
   res_types = {"b": plgpu.SMEM((wgs, bk, d), dtype, transforms=tf),
@@ -269,7 +264,7 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks, outputs):
       res_types,
       {n: str_types[n] for n in streamed},
       plgpu.Barrier(num_barriers=len(resident) * wgs),
-      {n: plgpu.Barrier(num_barriers=stages) for n in streamed},
+      st.ready_barrier(stages, len(streamed)),
       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
   )
   shapes = {"db": (bsz, s_len, n_heads, d), "dv": (bsz, s_len, n_heads, vd)}

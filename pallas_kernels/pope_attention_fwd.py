@@ -125,7 +125,7 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
     else:
       a_smem = None
     (o_smem, qpos_smem, lse_smem, rot_smem, qang_smem, b_smem, v_smem, kpos_smem,
-     q_bar, qpos_bar, b_bar, v_bar, kpos_bar, consumed, schedule, *q_smem) = rest
+     q_bar, qpos_bar, ready, consumed, schedule, *q_smem) = rest
     q_smem = o_smem if q_in_o else q_smem[0]
     batch = lax.axis_index("batch")
     head = lax.axis_index("heads")
@@ -171,9 +171,7 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
       @jax.named_scope("wait_kv")
       def wait_step(s):
         slot = st.slot_of(s, u_lo, stages)
-        plgpu.barrier_wait(b_bar.at[slot])
-        plgpu.barrier_wait(v_bar.at[slot])
-        plgpu.barrier_wait(kpos_bar.at[slot])
+        plgpu.barrier_wait(ready.at[slot])
         return slot
 
       def scores(slot):
@@ -298,12 +296,11 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
 
       def copies(s):
         cols = pl.ds(s * bk, bk)
-        return ((b_ref.at[batch, cols, kv_head], b_smem, b_bar),
-                (v_ref.at[batch, cols, kv_head], v_smem, v_bar),
-                (kpos_ref.at[batch, cols], kpos_smem, kpos_bar))
+        return ((b_ref.at[batch, cols, kv_head], b_smem), (v_ref.at[batch, cols, kv_head], v_smem),
+                (kpos_ref.at[batch, cols], kpos_smem))
 
       st.memory_warpgroup((tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]), stages, consumed,
-                          copies)
+                          ready, copies)
 
   tf = st.tile_transforms()
   scratch = [plgpu.SMEM((st.COMPUTE_WGS, bq, d), dtype, transforms=tf)] if a_in_smem else []
@@ -318,9 +315,7 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
       plgpu.SMEM((stages, bk), jnp.float32),
       plgpu.Barrier(num_arrivals=3, num_barriers=st.COMPUTE_WGS),
       plgpu.Barrier(num_barriers=st.COMPUTE_WGS),
-      plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_barriers=stages),
+      st.ready_barrier(stages, 3),
       plgpu.Barrier(num_arrivals=st.COMPUTE_WGS, num_barriers=stages),
       plgpu.Barrier(num_arrivals=st.COMPUTE_WGS),
   ]
