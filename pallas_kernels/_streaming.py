@@ -16,12 +16,14 @@ Shape letters: B batch, R resident tiles, C streamed steps.
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src import state
+from jax._src.pallas.mosaic_gpu import core as pallas_mgpu_core
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -131,6 +133,19 @@ def memory_warpgroup(visit, stages: int, consumed, ready, copies):
       plgpu.copy_gmem_to_smem(src, dst.at[slot], ready.at[slot])
 
   stream(visit[0], visit[1], stages, consumed, issue)
+
+
+def smem_bytes(scratch) -> int:
+  """Bytes of the SMEM buffers in a kernel's scratch list (before Mosaic's alignment, which
+  adds a few KiB)."""
+  return sum(math.prod(buf.shape) * jnp.dtype(buf.dtype).itemsize for buf in scratch
+             if isinstance(buf, pallas_mgpu_core.GPUMemoryRef))
+
+
+def smem_limit() -> int:
+  """SMEM per CTA of the first device: 227 KiB on Hopper, also where none can be queried (the
+  interpreter), as in Mosaic GPU."""
+  return getattr(jax.local_devices()[0], "shared_memory_per_block_optin", 227 * 1024)
 
 
 def ready_barrier(stages: int, copies_per_step: int):

@@ -194,7 +194,7 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
     q_positions, k_positions: [T] / [S] or [B, T] / [B, S] int; default: keys arange(S),
       queries S - T + arange(T) when T <= S, else arange(T).
     scale: logit scale, default 1/sqrt(H).
-    block_sizes: tile sizes; default `default_block_sizes(H, V)`.
+    block_sizes: tile sizes; default `default_block_sizes(H)`.
 
   Returns:
     [B, T, N, V] in q's dtype; zero rows where no key is visible.
@@ -207,7 +207,7 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
   _check(q, k, v, delta)
   _check_platform()
   h = q.shape[-1]
-  blocks = default_block_sizes(h, v.shape[-1]) if block_sizes is None else block_sizes
+  blocks = default_block_sizes(h) if block_sizes is None else block_sizes
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   s_len, t_len = k.shape[1], q.shape[1]
   if k_positions is None:

@@ -13,15 +13,19 @@ class BlockSizes:
   """Tile sizes of the forward, dq and dk/dv kernels.
 
   Each kernel runs two compute warpgroups per CTA, each owning one resident tile of `block_*`
-  rows, and one memory warpgroup that streams the other operand through `stages` SMEM slots.
+  rows, and one memory warpgroup that streams the other operand through a pipeline of SMEM
+  slots (`stages` in the backward kernels, `stages_fwd` in the forward).
 
   Attributes:
     block_q, block_kv: forward query rows per warpgroup / streamed key rows per step.
     block_q_dq, block_kv_dq: dq kernel (resident queries, streamed keys).
     block_kv_dkv, block_q_dkv: dk/dv kernel (resident keys, streamed queries).
-    stages: SMEM pipeline depth of the streamed operand (>= 2).
-    stages_fwd: the forward's pipeline depth, if other than `stages` (the forward has room for
-      a deeper pipeline than the backward kernels, whose resident tiles are larger).
+    stages: SMEM pipeline depth of the streamed operand (>= 2) in the backward kernels, and
+      the least depth of the forward's.
+    stages_fwd: the forward's pipeline depth. None (default): max(3, stages) where that fits
+      in SMEM at the call's shapes, else `stages` (`pope_attention_fwd.forward_stages`); the
+      forward has room for a deeper pipeline than the backward kernels, whose resident tiles
+      are larger.
     ping_pong: forward only: the two compute warpgroups take turns on the tensor cores, one's
       softmax overlapping the other's matmuls (FlashAttention-3 §3.1). On by default here;
       `default_block_sizes` turns it off at head dim 128. As compiled (ptxas 13.5), the
@@ -30,17 +34,19 @@ class BlockSizes:
     overlap: forward only: each compute warpgroup issues the QKᵀ of step s together with the
       PV of step s - 1 and runs the softmax of s while PV is on the tensor cores
       (FlashAttention-3 §3.2, intra-warpgroup overlap). A slot is then released one step
-      later, so with `ping_pong` it needs stages >= 3 (with 2 the handshake and the slot reuse
-      wait on each other: deadlock). Off by default: on the H200 its forward ties the
-      default's at H = 64 (with ping-pong and 3 stages; forward+backward is slower there) and
-      is slower at H = 128 (docs/results, run 11).
+      later, so with `ping_pong` it needs a forward depth >= 3 (`stages_fwd`, or `stages` if
+      that is None; with 2 the handshake and the slot reuse wait on each other: deadlock).
+      Off by default: on the H200 its forward ties the default's at H = 64 (with ping-pong
+      and 3 stages; forward+backward is slower there) and is slower at H = 128 (docs/results,
+      runs 11 and 13).
     a_in_registers: forward only: keep each warpgroup's Cartesian query tile a in registers
       as the left operand of QKᵀ, so the tensor cores read only the streamed keys from SMEM
       (a 64-row wgmma with both operands in SMEM can ask for as many bytes per cycle as the
-      SMEM delivers). Costs D / 2 registers per thread for the whole loop and frees a's SMEM
-      tile (when a is saved for the backward and V = H, a passes through the output tile's
-      SMEM). On the H200, with three forward stages: 5-6 % faster at H = 128, within noise to
-      6 % at H = 64 (docs/results, run 13).
+      SMEM delivers). Costs block_q·D / 256 32-bit registers per thread for the whole loop (32
+      at H = 64, 64 at H = 128) and frees a's SMEM tile (when a is saved for the backward and
+      V = H, a passes through the output tile's SMEM). On the H200, with three forward
+      stages: 4.6-5.9 % faster at H = 128, within noise to 6 % at H = 64 (docs/results, run
+      13).
     split_dkv: compute the key-side gradients db (of the Cartesian keys) and dv in two launches
       rather than one (`pope_attention_dkv`): the dv launch repeats a bᵀ and the pass over the
       queries, but neither spills registers where the one launch's accumulators do not fit
@@ -80,14 +86,11 @@ class BlockSizes:
       value = getattr(self, field)
       if value is not None and value < 2:
         raise ValueError(f"BlockSizes.{field} must be at least 2, got {value}")
-    if self.overlap and self.ping_pong and self.forward_stages < 3:
-      raise ValueError("BlockSizes.overlap with ping_pong needs forward stages >= 3 (a slot is "
-                       f"released one step later), got {self.forward_stages}")
-
-  @property
-  def forward_stages(self) -> int:
-    """The forward kernel's pipeline depth: `stages_fwd`, else `stages`."""
-    return self.stages if self.stages_fwd is None else self.stages_fwd
+    least_fwd = self.stages if self.stages_fwd is None else self.stages_fwd
+    if self.overlap and self.ping_pong and least_fwd < 3:
+      raise ValueError("BlockSizes.overlap with ping_pong needs stages_fwd >= 3 (or, with "
+                       "stages_fwd None, stages >= 3): a slot is released one step later; got "
+                       f"stages_fwd={self.stages_fwd}, stages={self.stages}")
 
   @property
   def seq_multiple(self) -> int:
@@ -106,21 +109,16 @@ def _gcd(a: int, b: int) -> int:
   return a
 
 
-def default_block_sizes(head_dim: int, value_dim: int | None = None) -> BlockSizes:
-  """Heuristic default for PoPE head dim H and value width V (default H); q/k tiles are 2H wide,
-  SMEM and registers bound.
+def default_block_sizes(head_dim: int) -> BlockSizes:
+  """Heuristic default for PoPE head dim H (q/k tiles are 2H wide; SMEM and registers bound).
 
   Measured on the H200 (docs/results/attention_kernel.md): at H <= 64 the best of four block
   shapes, with the ping-pong forward (6 % faster there, across runs); at H = 128 ping-pong made no
   difference beyond run-to-run noise (-4 % and +0.4 % in two runs), so the plain schedule stays.
-  At both, the forward keeps a in registers and streams through three stages (run 13) where
-  they fit in SMEM: when V = H, the saved a passes through the output tile's SMEM; otherwise a
-  keeps its own tile and the forward two stages. The backward kernels keep two (at H = 128
-  three do not fit).
+  At both, the forward keeps a in registers and takes three stages where they fit (run 13; at
+  H = 128 not when V != H and a is saved); the backward kernels keep two (at H = 128 three do
+  not fit).
   """
-  stages_fwd = 3 if value_dim in (None, head_dim) else None
   if head_dim <= 64:
-    return BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128, stages=2,
-                      stages_fwd=stages_fwd)
-  return BlockSizes(block_q=64, block_kv=64, stages=2, stages_fwd=stages_fwd, ping_pong=False,
-                    split_dkv=True)
+    return BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128, stages=2)
+  return BlockSizes(block_q=64, block_kv=64, stages=2, ping_pong=False, split_dkv=True)

@@ -1,7 +1,7 @@
 """Forward kernel of fused PoPE attention: flash attention over the Cartesian PoPE form.
 
 The kernel reads the raw queries q (H wide) and maps each resident tile in registers to
-a = [μq cos(tθ-δ), μq sin(tθ-δ)]·scale·log2(e) (`cartesian_tile`), once per tile; it streams
+a = [μq cos(tθ-δ), μq sin(tθ-δ)]·scale·log2(e) (`cartesian_halves`), once per tile; it streams
 b = [μk cos sθ, μk sin sθ] (PoPE, arXiv 2509.10534, Eq. 5/6 written as a dot product of 2H-wide
 vectors) and computes O = softmax₂(a bᵀ) v with masking by position, where softmax₂ uses exp2
 (the log2(e) is folded into a). It also returns the base-2 log-sum-exp per row for the backward
@@ -67,6 +67,60 @@ def cartesian_halves(x, pos, freq, phase, magnitude_scale: float, dtype):
   return (mag * jnp.cos(ang)).astype(dtype), (mag * jnp.sin(ang)).astype(dtype)
 
 
+def _q_in_o(h: int, vd: int) -> bool:
+  # The query tile is staged in the output tile's SMEM when the two have one width (the output
+  # is written only after the last step; a persistent kernel would have to order the next
+  # tile's query copy after this store): at H = 128 a separate buffer would not fit.
+  return h == vd
+
+
+def _a_in_smem(blocks: BlockSizes, h: int, vd: int, save_a: bool) -> bool:
+  # The Cartesian query tile a has its own SMEM tile when it is QKᵀ's SMEM operand, or when it
+  # is saved and cannot pass through the output tile's (2 halves of width H = V).
+  return not blocks.a_in_registers or (save_a and not _q_in_o(h, vd))
+
+
+def _scratch(blocks: BlockSizes, stages: int, h: int, vd: int, dtype, save_a: bool) -> list:
+  """The forward kernel's SMEM buffers and barriers, in the kernel's argument order."""
+  bq, bk, d, wgs = blocks.block_q, blocks.block_kv, 2 * h, st.COMPUTE_WGS
+  tf = st.tile_transforms()
+  scratch = [plgpu.SMEM((wgs, bq, d), dtype, transforms=tf)] if _a_in_smem(
+      blocks, h, vd, save_a) else []
+  scratch += [
+      plgpu.SMEM((wgs, bq, vd), dtype, transforms=tf),
+      plgpu.SMEM((wgs, bq), jnp.float32),
+      plgpu.SMEM((wgs, bq), jnp.float32),
+      plgpu.SMEM((wgs, 2, h), jnp.float32),
+      plgpu.SMEM((wgs, bq), jnp.float32),
+      plgpu.SMEM((stages, bk, d), dtype, transforms=tf),
+      plgpu.SMEM((stages, bk, vd), dtype, transforms=tf),
+      plgpu.SMEM((stages, bk), jnp.float32),
+      plgpu.Barrier(num_arrivals=3, num_barriers=wgs),
+      plgpu.Barrier(num_barriers=wgs),
+      st.ready_barrier(stages, 3),
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=wgs),
+  ]
+  if not _q_in_o(h, vd):
+    scratch.append(plgpu.SMEM((wgs, bq, h), dtype, transforms=st.tile_transforms(h)))
+  return scratch
+
+
+def forward_stages(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool = True) -> int:
+  """The forward's pipeline depth: `blocks.stages_fwd`, or if that is None max(3, stages)
+  where its buffers fit in SMEM (`st.smem_bytes` against `st.smem_limit`), else `stages`.
+
+  Args:
+    blocks: tile sizes; h: PoPE head dim H; vd: value width V (padded to a multiple of 64);
+    dtype: q's dtype; save_a: whether the forward saves a for the backward (training).
+  """
+  if blocks.stages_fwd is not None:
+    return blocks.stages_fwd
+  deep = max(3, blocks.stages)
+  fits = st.smem_bytes(_scratch(blocks, deep, h, vd, dtype, save_a)) <= st.smem_limit()
+  return deep if fits else blocks.stages
+
+
 @functools.partial(jax.jit, static_argnames=('blocks', 'magnitude_scale', 'save_a'))
 def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks: BlockSizes,
                        magnitude_scale: float, save_a: bool = False):
@@ -94,16 +148,11 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
   _, s_len, kv_heads, vd = v.shape
   d = 2 * h
   group = n_heads // kv_heads
-  bq, bk, stages = blocks.block_q, blocks.block_kv, blocks.forward_stages
-  n_ctas = t_len // (st.COMPUTE_WGS * bq)
   dtype = q.dtype
-  # The query tile is staged in the output tile's SMEM when the two have one width (the output
-  # is written only after the last step; a persistent kernel would have to order the next
-  # tile's query copy after this store): at H = 128 a separate buffer would not fit.
-  q_in_o = h == vd
-  # The Cartesian query tile a has its own SMEM tile when it is QKᵀ's SMEM operand, or when it
-  # is saved and cannot pass through the output tile's (2 halves of width H = V).
-  a_in_smem = not blocks.a_in_registers or (save_a and not q_in_o)
+  stages = forward_stages(blocks, h, vd, dtype, save_a)
+  bq, bk = blocks.block_q, blocks.block_kv
+  n_ctas = t_len // (st.COMPUTE_WGS * bq)
+  q_in_o, a_in_smem = _q_in_o(h, vd), _a_in_smem(blocks, h, vd, save_a)
 
   # The CPU interpreter runs each warpgroup as its own XLA:CPU execution, and on a 2-core machine
   # not all of them start at once. Two ways this can hang there, both seen under jit:
@@ -302,25 +351,11 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
       st.memory_warpgroup((tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]), stages, consumed,
                           ready, copies)
 
-  tf = st.tile_transforms()
-  scratch = [plgpu.SMEM((st.COMPUTE_WGS, bq, d), dtype, transforms=tf)] if a_in_smem else []
-  scratch += [
-      plgpu.SMEM((st.COMPUTE_WGS, bq, vd), dtype, transforms=tf),
-      plgpu.SMEM((st.COMPUTE_WGS, bq), jnp.float32),
-      plgpu.SMEM((st.COMPUTE_WGS, bq), jnp.float32),
-      plgpu.SMEM((st.COMPUTE_WGS, 2, h), jnp.float32),
-      plgpu.SMEM((st.COMPUTE_WGS, bq), jnp.float32),
-      plgpu.SMEM((stages, bk, d), dtype, transforms=tf),
-      plgpu.SMEM((stages, bk, vd), dtype, transforms=tf),
-      plgpu.SMEM((stages, bk), jnp.float32),
-      plgpu.Barrier(num_arrivals=3, num_barriers=st.COMPUTE_WGS),
-      plgpu.Barrier(num_barriers=st.COMPUTE_WGS),
-      st.ready_barrier(stages, 3),
-      plgpu.Barrier(num_arrivals=st.COMPUTE_WGS, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=st.COMPUTE_WGS),
-  ]
-  if not q_in_o:
-    scratch.append(plgpu.SMEM((st.COMPUTE_WGS, bq, h), dtype, transforms=st.tile_transforms(h)))
+  scratch = _scratch(blocks, stages, h, vd, dtype, save_a)
+  if (need := st.smem_bytes(scratch)) > st.smem_limit():
+    raise ValueError(f"The PoPE forward's SMEM buffers need {need} bytes, more than the "
+                     f"{st.smem_limit()} available: lower BlockSizes.stages_fwd ({stages}) or "
+                     "block_kv, or set a_in_registers")
   out_type = (jax.ShapeDtypeStruct((bsz, t_len, n_heads, vd), dtype),
               jax.ShapeDtypeStruct((bsz, n_heads, t_len), jnp.float32))
   if save_a:

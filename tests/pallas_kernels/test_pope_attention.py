@@ -21,7 +21,7 @@ from pallas_kernels import pope_attention as kernel
 from pallas_kernels import _streaming
 from pallas_kernels.pope_attention_bwd import pope_attention_dkv
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
-from pallas_kernels.pope_attention_fwd import cartesian_tile
+from pallas_kernels.pope_attention_fwd import cartesian_tile, forward_stages
 from pope_jax import attention, encodings
 
 # (B, N, K, H): kernel-shape families; lengths vary freely inside each.
@@ -235,9 +235,26 @@ def test_block_sizes_validate():
     BlockSizes(stages=1)
   with pytest.raises(ValueError, match="stages_fwd"):
     BlockSizes(stages_fwd=1)
-  with pytest.raises(ValueError, match="forward stages"):
+  with pytest.raises(ValueError, match="stages_fwd >= 3"):
     BlockSizes(overlap=True, stages=3, stages_fwd=2)
-  assert BlockSizes(overlap=True, stages_fwd=3).forward_stages == 3
+  BlockSizes(overlap=True, stages_fwd=3)
+
+
+def test_forward_stages_fit_in_smem():
+  # Three forward stages where their buffers fit (227 KiB): not at H = 128 when V != H and a
+  # is saved (a needs its own SMEM tile then); an explicit stages_fwd is kept.
+  bf16 = jnp.bfloat16
+  assert forward_stages(default_block_sizes(64), 64, 64, bf16) == 3
+  assert forward_stages(default_block_sizes(128), 128, 128, bf16) == 3
+  assert forward_stages(default_block_sizes(128), 128, 64, bf16, save_a=True) == 2
+  assert forward_stages(default_block_sizes(128), 128, 64, bf16, save_a=False) == 3
+  a_in_smem = dataclasses.replace(default_block_sizes(128), a_in_registers=False)
+  assert forward_stages(a_in_smem, 128, 128, bf16) == 2
+  too_deep = dataclasses.replace(a_in_smem, stages_fwd=4)
+  assert forward_stages(too_deep, 128, 128, bf16) == 4
+  q = jnp.zeros((1, 128, 1, 128), bf16)
+  with plgpu.force_gpu_interpret_mode(), pytest.raises(ValueError, match="stages_fwd"):
+    kernel.pope_attention(q, q, q, block_sizes=too_deep)
   assert default_block_sizes(64).seq_multiple == 128
 
 
@@ -246,10 +263,6 @@ def test_block_size_defaults_and_types():
   # dv in two launches at H = 128, where one launch spills registers.
   assert default_block_sizes(64).ping_pong and not default_block_sizes(128).ping_pong
   assert default_block_sizes(128).split_dkv and not default_block_sizes(64).split_dkv
-  # A third forward stage where a needs no SMEM tile of its own (V = H).
-  assert default_block_sizes(128).forward_stages == 3
-  assert default_block_sizes(128, 64).forward_stages == 2
-  assert default_block_sizes(64, 64).forward_stages == 3
   with pytest.raises(TypeError, match="split_dkv"):
     BlockSizes(split_dkv=1)
   with pytest.raises(TypeError, match="stages"):
