@@ -361,7 +361,8 @@ def main():
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--check", action="store_true", help="kernel vs reference first")
   parser.add_argument("--check-blocks", action="append", default=[], metavar="JSON",
-                      help='--check also runs these BlockSizes changes, e.g. \'{"overlap": true}\'')
+                      help='--check also runs these BlockSizes changes, e.g. '
+                           '\'{"overlap": true, "stages_fwd": 3}\'')
   parser.add_argument("--variants", action="store_true", help="time block-size variants")
   parser.add_argument("--train-step", action="store_true", help="GPT-2-124M PoPE/RoPE step")
   parser.add_argument("--train-batch", type=int, default=16, help="--train-step batch size")

@@ -136,10 +136,12 @@ def memory_warpgroup(visit, stages: int, consumed, ready, copies):
 
 
 def smem_bytes(scratch) -> int:
-  """Bytes of the SMEM buffers in a kernel's scratch list (before Mosaic's alignment, which
-  adds a few KiB)."""
-  return sum(math.prod(buf.shape) * jnp.dtype(buf.dtype).itemsize for buf in scratch
-             if isinstance(buf, pallas_mgpu_core.GPUMemoryRef))
+  """SMEM bytes of a kernel's scratch list, each buffer and barrier array rounded up to
+  Pallas' 1024-byte alignment (an upper bound: Pallas packs the barriers more tightly)."""
+  sizes = [math.prod(buf.shape) * jnp.dtype(buf.dtype).itemsize if isinstance(
+      buf, pallas_mgpu_core.GPUMemoryRef) else 8 * math.prod(buf.num_barriers)
+           for buf in scratch]
+  return sum(pallas_mgpu_core.align_to(n, pallas_mgpu_core.SMEM_ALIGNMENT) for n in sizes)
 
 
 def smem_limit() -> int:

@@ -134,7 +134,7 @@ def _flash_bwd(blocks, base, magnitude_scale, res, d_out):
       x = x.reshape(bsz, s_len, kv_heads, group, x.shape[-1]).astype(jnp.float32)
       return x.sum(3).astype(a.dtype)
     db, dv = group_sum(db), group_sum(dv)
-  # Through the query map (the kernel's `cartesian_tile`) by the reference map's VJP.
+  # Through the query map (the kernel's `cartesian_halves`) by the reference map's VJP.
   def query_map(q, phase):
     a = encodings.pope_cartesian(q, angle_pos, base=base, phase=phase) * magnitude_scale
     return a.astype(q.dtype)
@@ -202,7 +202,8 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
   Raises:
     NotImplementedError: dtype, head dim or value dim the kernel does not support, or a backend
       other than GPU (outside the Mosaic GPU interpreter).
-    ValueError: shapes that do not agree.
+    ValueError: shapes that do not agree, or `block_sizes` whose forward buffers do not fit
+      in SMEM.
   """
   _check(q, k, v, delta)
   _check_platform()

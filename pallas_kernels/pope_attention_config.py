@@ -44,9 +44,10 @@ class BlockSizes:
       (a 64-row wgmma with both operands in SMEM can ask for as many bytes per cycle as the
       SMEM delivers). Costs block_q·D / 256 32-bit registers per thread for the whole loop (32
       at H = 64, 64 at H = 128) and frees a's SMEM tile (when a is saved for the backward and
-      V = H, a passes through the output tile's SMEM). On the H200, with three forward
-      stages: 4.6-5.9 % faster at H = 128, within noise to 6 % at H = 64 (docs/results, run
-      13).
+      V = H, a passes through the output tile's SMEM). On the H200 (docs/results, run 13):
+      alone (two stages) 2.7 % faster at H = 128 and 4.3 % at H = 64 in one call; with the
+      third forward stage it makes room for at H = 128, 4.6-5.8 % faster at H = 128 and
+      within noise to 6 % at H = 64 over three calls.
     split_dkv: compute the key-side gradients db (of the Cartesian keys) and dv in two launches
       rather than one (`pope_attention_dkv`): the dv launch repeats a bᵀ and the pass over the
       queries, but neither spills registers where the one launch's accumulators do not fit
@@ -115,9 +116,9 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
   Measured on the H200 (docs/results/attention_kernel.md): at H <= 64 the best of four block
   shapes, with the ping-pong forward (6 % faster there, across runs); at H = 128 ping-pong made no
   difference beyond run-to-run noise (-4 % and +0.4 % in two runs), so the plain schedule stays.
-  At both, the forward keeps a in registers and takes three stages where they fit (run 13; at
-  H = 128 not when V != H and a is saved); the backward kernels keep two (at H = 128 three do
-  not fit).
+  At both, the forward keeps a in registers and takes three stages where they fit (run 13;
+  not at H = 128 when V != H and a is saved, nor at H = 64 with V > 64); the backward kernels
+  keep two (at H = 128 three do not fit).
   """
   if head_dim <= 64:
     return BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128, stages=2)

@@ -106,7 +106,7 @@ def _scratch(blocks: BlockSizes, stages: int, h: int, vd: int, dtype, save_a: bo
   return scratch
 
 
-def forward_stages(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool = True) -> int:
+def forward_stages(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool) -> int:
   """The forward's pipeline depth: `blocks.stages_fwd`, or if that is None max(3, stages)
   where its buffers fit in SMEM (`st.smem_bytes` against `st.smem_limit`), else `stages`.
 
@@ -353,9 +353,11 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
 
   scratch = _scratch(blocks, stages, h, vd, dtype, save_a)
   if (need := st.smem_bytes(scratch)) > st.smem_limit():
-    raise ValueError(f"The PoPE forward's SMEM buffers need {need} bytes, more than the "
-                     f"{st.smem_limit()} available: lower BlockSizes.stages_fwd ({stages}) or "
-                     "block_kv, or set a_in_registers")
+    raise ValueError(f"The PoPE forward's SMEM buffers need about {need} bytes, more than "
+                     f"the {st.smem_limit()} available, at {stages} stages (BlockSizes."
+                     f"stages_fwd={blocks.stages_fwd}, stages={blocks.stages}): lower "
+                     "stages_fwd, block_kv or block_q"
+                     + ("" if blocks.a_in_registers else ", or set a_in_registers"))
   out_type = (jax.ShapeDtypeStruct((bsz, t_len, n_heads, vd), dtype),
               jax.ShapeDtypeStruct((bsz, n_heads, t_len), jnp.float32))
   if save_a:

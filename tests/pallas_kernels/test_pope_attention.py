@@ -195,13 +195,14 @@ def test_dk_dv_in_one_or_two_launches(head_dim, split_dkv, a_in_registers):
 
 
 @pytest.mark.parametrize("blocks, is_causal", [
-    (BlockSizes(block_kv=64, overlap=True, ping_pong=False), True),
+    (BlockSizes(block_kv=64, overlap=True, ping_pong=False, stages_fwd=2), True),
     (BlockSizes(block_kv=64, overlap=True, stages=3), True),
-    (BlockSizes(block_kv=64, overlap=True, ping_pong=False), False),
+    (BlockSizes(block_kv=64, overlap=True, ping_pong=False, stages_fwd=2), False),
     (BlockSizes(block_q=128, block_kv=64), True),
     (BlockSizes(block_kv=64, a_in_registers=False), True),
-    (BlockSizes(block_kv=64, a_in_registers=False, overlap=True, ping_pong=False), False),
-    (BlockSizes(block_kv=64, stages_fwd=3), True),
+    (BlockSizes(block_kv=64, a_in_registers=False, overlap=True, ping_pong=False,
+                stages_fwd=2), False),
+    (BlockSizes(block_kv=64, stages_fwd=2), True),
 ])
 def test_forward_schedules(blocks, is_causal):
   # Several key steps per query tile (block_kv 64): skipped, masked and full ranges (for the
@@ -238,24 +239,28 @@ def test_block_sizes_validate():
   with pytest.raises(ValueError, match="stages_fwd >= 3"):
     BlockSizes(overlap=True, stages=3, stages_fwd=2)
   BlockSizes(overlap=True, stages_fwd=3)
+  assert default_block_sizes(64).seq_multiple == 128
 
 
-def test_forward_stages_fit_in_smem():
-  # Three forward stages where their buffers fit (227 KiB): not at H = 128 when V != H and a
-  # is saved (a needs its own SMEM tile then); an explicit stages_fwd is kept.
-  bf16 = jnp.bfloat16
-  assert forward_stages(default_block_sizes(64), 64, 64, bf16) == 3
-  assert forward_stages(default_block_sizes(128), 128, 128, bf16) == 3
-  assert forward_stages(default_block_sizes(128), 128, 64, bf16, save_a=True) == 2
-  assert forward_stages(default_block_sizes(128), 128, 64, bf16, save_a=False) == 3
-  a_in_smem = dataclasses.replace(default_block_sizes(128), a_in_registers=False)
-  assert forward_stages(a_in_smem, 128, 128, bf16) == 2
+def test_forward_stages_fit_in_smem(monkeypatch):
+  # Three forward stages where their buffers fit (Hopper's 227 KiB): not at H = 128 when V != H
+  # and a is saved (a needs its own SMEM tile then), nor at H = 64 with V = 128; an explicit
+  # stages_fwd is kept.
+  monkeypatch.setattr(_streaming, "smem_limit", lambda: 227 * 1024)
+  bf16, h64, h128 = jnp.bfloat16, default_block_sizes(64), default_block_sizes(128)
+  assert forward_stages(h64, 64, 64, bf16, save_a=True) == 3
+  assert forward_stages(h64, 64, 128, bf16, save_a=False) == 2
+  assert forward_stages(default_block_sizes(32), 32, 128, bf16, save_a=True) == 3
+  assert forward_stages(h128, 128, 128, bf16, save_a=True) == 3
+  assert forward_stages(h128, 128, 64, bf16, save_a=True) == 2
+  assert forward_stages(h128, 128, 64, bf16, save_a=False) == 3
+  a_in_smem = dataclasses.replace(h128, a_in_registers=False)
+  assert forward_stages(a_in_smem, 128, 128, bf16, save_a=False) == 2
   too_deep = dataclasses.replace(a_in_smem, stages_fwd=4)
-  assert forward_stages(too_deep, 128, 128, bf16) == 4
+  assert forward_stages(too_deep, 128, 128, bf16, save_a=False) == 4
   q = jnp.zeros((1, 128, 1, 128), bf16)
   with plgpu.force_gpu_interpret_mode(), pytest.raises(ValueError, match="stages_fwd"):
     kernel.pope_attention(q, q, q, block_sizes=too_deep)
-  assert default_block_sizes(64).seq_multiple == 128
 
 
 def test_block_size_defaults_and_types():
