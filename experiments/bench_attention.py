@@ -356,9 +356,10 @@ def _head_and_loss_ms(cfg, batch: int, seq_len: int, iters: int,
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default="bench_attention.json")
-  parser.add_argument("--iters", type=int, default=20)
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument("--out", default="bench_attention.json", help="JSON results file")
+  parser.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
   parser.add_argument("--check", action="store_true", help="kernel vs reference first")
   parser.add_argument("--check-blocks", action="append", default=[], metavar="JSON",
                       help='--check also runs these BlockSizes changes, e.g. '
@@ -372,7 +373,8 @@ def main():
                       help="--train-step also times forward, backward, optimizer, head + loss")
   parser.add_argument("--profile", action="store_true",
                       help="device time per op of the attention paths and the train steps")
-  parser.add_argument("--skip-bench", action="store_true")
+  parser.add_argument("--skip-bench", action="store_true",
+                      help="skip the main tables (e.g. with --check or --variants)")
   args = parser.parse_args()
   try:
     import tokamax  # noqa: F401

@@ -124,9 +124,11 @@ def plot_summary(summary: dict, path) -> None:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--out", required=True, help="output directory")
-  parser.add_argument("--head-dim", type=int, default=64, choices=(64, 128))
+  parser.add_argument("--head-dim", type=int, default=64, choices=(64, 128),
+                      help="PoPE head dim H of the traced shape (V = H)")
   parser.add_argument("--batch", type=int, default=1,
                       help="batch of the bench shape (N=16, S=4096; 1 keeps the trace small)")
   args = parser.parse_args()

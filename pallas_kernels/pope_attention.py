@@ -49,11 +49,16 @@ def is_supported(q, k, v) -> bool:
   """Whether the kernel runs these operands (arrays or `jax.ShapeDtypeStruct`s).
 
   q [B, T, N, H], k [B, S, K, H], v [B, S, K, V]: one dtype in SUPPORTED_DTYPES, H in
-  SUPPORTED_HEAD_DIMS, V <= MAX_VALUE_DIM.
+  SUPPORTED_HEAD_DIMS, V <= MAX_VALUE_DIM, one batch, N a multiple of K.
   """
   return (q.ndim == 4 and jnp.dtype(q.dtype) in SUPPORTED_DTYPES
           and q.shape[-1] in SUPPORTED_HEAD_DIMS and k.dtype == q.dtype and v.dtype == q.dtype
-          and v.shape[-1] <= MAX_VALUE_DIM)
+          and v.shape[-1] <= MAX_VALUE_DIM and not _shape_mismatch(q, k, v))
+
+
+def _shape_mismatch(q, k, v) -> bool:
+  return (k.ndim != 4 or v.ndim != 4 or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]
+          or q.shape[2] % k.shape[2] or k.shape[:3] != v.shape[:3])
 
 
 def _check(q, k, v, delta) -> None:
@@ -66,8 +71,9 @@ def _check(q, k, v, delta) -> None:
     raise NotImplementedError(
         f"pallas PoPE attention needs one dtype for query, key, value; got {q.dtype}, "
         f"{k.dtype}, {v.dtype}")
-  if k.shape[-1] != q.shape[-1] or q.shape[2] % k.shape[2] or k.shape[:3] != v.shape[:3]:
-    raise ValueError(f"query {q.shape}, key {k.shape}, value {v.shape} do not agree")
+  if _shape_mismatch(q, k, v):
+    raise ValueError(f"query {q.shape} [B, T, N, H], key {k.shape} [B, S, K, H] and value "
+                     f"{v.shape} [B, S, K, V] do not agree (one batch B, N a multiple of K)")
   if v.shape[-1] > MAX_VALUE_DIM:
     raise NotImplementedError(f"value head dim {v.shape[-1]} exceeds {MAX_VALUE_DIM}")
   if delta is not None and delta.shape != q.shape[2:]:

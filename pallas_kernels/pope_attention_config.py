@@ -21,7 +21,7 @@ class BlockSizes:
     block_q_dq, block_kv_dq: dq kernel (resident queries, streamed keys).
     block_kv_dkv, block_q_dkv: dk/dv kernel (resident keys, streamed queries).
     stages: SMEM pipeline depth of the streamed operand (>= 2) in the backward kernels, and
-      the least depth of the forward's.
+      the forward's least depth when `stages_fwd` is None.
     stages_fwd: the forward's pipeline depth. None (default): max(3, stages) where that fits
       in SMEM at the call's shapes, else `stages` (`pope_attention_fwd.forward_stages`); the
       forward has room for a deeper pipeline than the backward kernels, whose resident tiles

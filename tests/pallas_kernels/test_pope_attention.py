@@ -169,6 +169,12 @@ def test_unsupported_inputs_raise():
   assert kernel.is_supported(q16, q16, q16)
   assert not kernel.is_supported(q16, q16, spec((1, 8, 2, 64), jnp.float32))  # mixed dtypes
   assert not kernel.is_supported(q16, q16, spec((1, 8, 2, 192)))              # value dim
+  kv2 = spec((2, 8, 2, 64))
+  assert not kernel.is_supported(q16, kv2, kv2)                                # batch
+  assert not kernel.is_supported(q16, spec((1, 8, 2, 32)), q16)                # key head dim
+  q2 = jnp.zeros((2, 8, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="one batch"):
+    kernel.pope_attention(q2, q2[:1], q2[:1])
   q64 = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="Hopper"):                   # CPU, no interpreter
     kernel.pope_attention(q64, q64, q64)
