@@ -136,11 +136,13 @@ def memory_warpgroup(visit, stages: int, consumed, ready, copies):
 
 
 def smem_bytes(scratch) -> int:
-  """SMEM bytes of a kernel's scratch list, each buffer and barrier array rounded up to
-  Pallas' 1024-byte alignment (an upper bound: Pallas packs the barriers more tightly)."""
+  """SMEM bytes of a kernel's scratch (a pytree of SMEM buffers and barriers), each buffer and
+  barrier array rounded up to Pallas' 1024-byte alignment: an upper bound, about 3 KiB above
+  what Mosaic GPU reports for the forward (docs/results, run 13), as Pallas packs the barriers
+  more tightly."""
   sizes = [math.prod(buf.shape) * jnp.dtype(buf.dtype).itemsize if isinstance(
       buf, pallas_mgpu_core.GPUMemoryRef) else 8 * math.prod(buf.num_barriers)
-           for buf in scratch]
+           for buf in jax.tree.leaves(scratch)]
   return sum(pallas_mgpu_core.align_to(n, pallas_mgpu_core.SMEM_ALIGNMENT) for n in sizes)
 
 
@@ -148,6 +150,15 @@ def smem_limit() -> int:
   """SMEM per CTA of the first device: 227 KiB on Hopper, also where none can be queried (the
   interpreter), as in Mosaic GPU."""
   return getattr(jax.local_devices()[0], "shared_memory_per_block_optin", 227 * 1024)
+
+
+def check_smem(scratch, kernel: str, hint: str) -> None:
+  """Raises ValueError, naming the kernel and what to lower (`hint`), when its scratch does
+  not fit in SMEM (`smem_bytes` against `smem_limit`)."""
+  need, limit = smem_bytes(scratch), smem_limit()
+  if need > limit:
+    raise ValueError(f"The PoPE {kernel} kernel's SMEM buffers need about {need} bytes, more "
+                     f"than the {limit} available: {hint}")
 
 
 def ready_barrier(stages: int, copies_per_step: int):

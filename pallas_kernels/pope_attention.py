@@ -208,8 +208,8 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
   Raises:
     NotImplementedError: dtype, head dim or value dim the kernel does not support, or a backend
       other than GPU (outside the Mosaic GPU interpreter).
-    ValueError: shapes that do not agree, or `block_sizes` whose forward buffers do not fit
-      in SMEM.
+    ValueError: shapes that do not agree, or `block_sizes` whose buffers do not fit in SMEM
+      (forward at call time, dq and dk/dv when differentiated).
   """
   _check(q, k, v, delta)
   _check_platform()

@@ -123,6 +123,8 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
       st.ready_barrier(stages, 3),
       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
   ]
+  st.check_smem(scratch, "dq", f"lower BlockSizes.stages ({stages}), block_q_dq ({bq}) or "
+                f"block_kv_dq ({bk})")
   return plgpu.kernel(
       pope_dq_kernel,
       out_type=jax.ShapeDtypeStruct(a.shape, dtype),
@@ -267,6 +269,8 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks, outputs):
       st.ready_barrier(stages, len(streamed)),
       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
   )
+  st.check_smem(scratch, "dk/dv", f"lower BlockSizes.stages ({stages}), block_kv_dkv ({bk}) or "
+                f"block_q_dkv ({bq})")
   shapes = {"db": (bsz, s_len, n_heads, d), "dv": (bsz, s_len, n_heads, vd)}
   out = plgpu.kernel(
       pope_dkv_kernel,

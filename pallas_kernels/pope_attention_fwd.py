@@ -352,12 +352,10 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
                           ready, copies)
 
   scratch = _scratch(blocks, stages, h, vd, dtype, save_a)
-  if (need := st.smem_bytes(scratch)) > st.smem_limit():
-    raise ValueError(f"The PoPE forward's SMEM buffers need about {need} bytes, more than "
-                     f"the {st.smem_limit()} available, at {stages} stages (BlockSizes."
-                     f"stages_fwd={blocks.stages_fwd}, stages={blocks.stages}): lower "
-                     "stages_fwd (or stages when it is None), block_kv or block_q"
-                     + ("" if blocks.a_in_registers else ", or set a_in_registers"))
+  st.check_smem(scratch, "forward", f"at {stages} stages (BlockSizes.stages_fwd="
+                f"{blocks.stages_fwd}, stages={blocks.stages}) lower stages_fwd (or stages when "
+                "it is None), block_kv or block_q"
+                + ("" if blocks.a_in_registers else ", or set a_in_registers"))
   out_type = (jax.ShapeDtypeStruct((bsz, t_len, n_heads, vd), dtype),
               jax.ShapeDtypeStruct((bsz, n_heads, t_len), jnp.float32))
   if save_a:

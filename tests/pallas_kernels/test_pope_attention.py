@@ -269,6 +269,16 @@ def test_forward_stages_fit_in_smem(monkeypatch):
     kernel.pope_attention(q, q, q, block_sizes=too_deep)
 
 
+def test_backward_smem_error_names_fields():
+  # Six backward stages at H = 128 overflow the dq kernel's SMEM: a clear error at trace time.
+  blocks = dataclasses.replace(default_block_sizes(128), stages=6, stages_fwd=2)
+  q = jax.ShapeDtypeStruct((1, 128, 1, 128), jnp.bfloat16)
+  grad = jax.grad(lambda q: kernel.pope_attention(q, q, q, block_sizes=blocks).sum().astype(
+      jnp.float32))
+  with plgpu.force_gpu_interpret_mode(), pytest.raises(ValueError, match="dq.*stages"):
+    jax.eval_shape(grad, q)
+
+
 def test_block_size_defaults_and_types():
   # Ping-pong forward where it measured faster (H <= 64), the plain schedule at H = 128; dk and
   # dv in two launches at H = 128, where one launch spills registers.
