@@ -12,6 +12,8 @@ usual FlashAttention convention). Ratios are to the fastest PoPE baseline row.
   python -m experiments.bench_attention --out results.json [--check] [--variants] [--profile]
       [--train-step [--train-batch N] [--logits-dtype compute] [--train-breakdown]]
 
+--check compares the kernel's output and gradients with the float32 XLA reference on small
+shapes and exits 1 (after writing the JSON) if any is off by more than --check-tol.
 --profile adds device time per op (`experiments.profile_ops`) of the PoPE fwd+bwd paths at head
 dims 64 and 128 and, with --train-step, of both train steps.
 """
@@ -24,6 +26,7 @@ import functools
 import itertools
 import json
 import math
+import sys
 import time
 import traceback
 
@@ -210,6 +213,14 @@ def check(names, changes=({},)) -> list[dict]:
   return results
 
 
+def check_failures(rows: list[dict], tol: float) -> list[str]:
+  """Names of the `check` rows that errored or whose output or a gradient is off by more than
+  `tol` (max |error| / max |reference|)."""
+  keys = ("out", "dq", "dk", "dv", "ddelta")
+  return [row["name"] for row in rows
+          if "error" in row or any(row[k] > tol for k in keys)]
+
+
 VARIANTS = {  # Changes to each head dim's default (`default_block_sizes`); {} is the default.
     "bench_h64": [dataclasses.replace(default_block_sizes(64), **change) for change in (
         {}, {"a_in_registers": False, "stages_fwd": 2}, {"ping_pong": False},
@@ -361,6 +372,8 @@ def main():
   parser.add_argument("--out", default="bench_attention.json", help="JSON results file")
   parser.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
   parser.add_argument("--check", action="store_true", help="kernel vs reference first")
+  parser.add_argument("--check-tol", type=float, default=2e-2,
+                      help="--check fails (exit 1) above this max |error| / max |reference|")
   parser.add_argument("--check-blocks", action="append", default=[], metavar="JSON",
                       help='--check also runs these BlockSizes changes, e.g. '
                            '\'{"overlap": true, "stages_fwd": 3}\'')
@@ -402,6 +415,8 @@ def main():
                                              logits_dtype=args.logits_dtype)
   with open(args.out, "w") as f:
     json.dump(results, f, indent=1, default=str)
+  if failed := check_failures(results.get("check", []), args.check_tol):
+    sys.exit(f"check failed (tolerance {args.check_tol}): {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -18,3 +18,11 @@ def test_train_step_breakdown_reports_every_part():
   assert result["head_and_loss_ms"] > 0
   for enc in ("rope", "pope"):
     assert result[enc]["profile"]["summary"]["total_ms"] > 0, enc
+
+
+def test_check_failures_names_errors_and_rows_over_tolerance():
+  ok = {"name": "a", "out": 5e-3, "dq": 8e-3, "dk": 1e-3, "dv": 1e-3, "ddelta": 1e-3}
+  far = dict(ok, name="b", ddelta=0.5)
+  broken = {"name": "c", "error": "ValueError: ..."}
+  assert bench_attention.check_failures([ok, far, broken], 2e-2) == ["b", "c"]
+  assert bench_attention.check_failures([ok], 2e-2) == []
