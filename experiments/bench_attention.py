@@ -215,10 +215,10 @@ def check(names, changes=({},)) -> list[dict]:
 
 def check_failures(rows: list[dict], tol: float) -> list[str]:
   """Names of the `check` rows that errored or whose output or a gradient is off by more than
-  `tol` (max |error| / max |reference|)."""
+  `tol` (max |error| / max |reference|) or not a number."""
   keys = ("out", "dq", "dk", "dv", "ddelta")
   return [row["name"] for row in rows
-          if "error" in row or any(row[k] > tol for k in keys)]
+          if "error" in row or not all(row[k] <= tol for k in keys)]
 
 
 VARIANTS = {  # Changes to each head dim's default (`default_block_sizes`); {} is the default.

@@ -33,11 +33,6 @@ _TWO_PI_HI = 6.28125
 _TWO_PI_LO = 2 * math.pi - _TWO_PI_HI
 
 
-def cartesian_tile(x, pos, freq, phase, magnitude_scale: float, dtype):
-  """In-kernel PoPE Cartesian map of one tile: the concatenation of `cartesian_halves`."""
-  return jnp.concatenate(cartesian_halves(x, pos, freq, phase, magnitude_scale, dtype), axis=1)
-
-
 def cartesian_halves(x, pos, freq, phase, magnitude_scale: float, dtype):
   """In-kernel PoPE Cartesian map of one tile (PoPE Eq. 7-10; `encodings.polar_to_cartesian`).
 

@@ -26,3 +26,4 @@ def test_check_failures_names_errors_and_rows_over_tolerance():
   broken = {"name": "c", "error": "ValueError: ..."}
   assert bench_attention.check_failures([ok, far, broken], 2e-2) == ["b", "c"]
   assert bench_attention.check_failures([ok], 2e-2) == []
+  assert bench_attention.check_failures([dict(ok, name="d", dq=float("nan"))], 2e-2) == ["d"]

@@ -21,7 +21,7 @@ from pallas_kernels import pope_attention as kernel
 from pallas_kernels import _streaming
 from pallas_kernels.pope_attention_bwd import pope_attention_dkv
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
-from pallas_kernels.pope_attention_fwd import cartesian_tile, forward_stages
+from pallas_kernels.pope_attention_fwd import cartesian_halves, forward_stages
 from pope_jax import attention, encodings
 
 # (B, N, K, H): kernel-shape families; lengths vary freely inside each.
@@ -82,7 +82,7 @@ def test_matches_reference_forward_and_grads(case):
 
 
 @pytest.mark.parametrize("head_dim, max_position", [(32, 4096), (128, 400_000), (64, 2**20)])
-def test_cartesian_tile_matches_reference_map(head_dim, max_position):
+def test_cartesian_halves_match_reference_map(head_dim, max_position):
   # The forward kernel's query map, run as plain jnp on CPU (exact cos/sin here; the GPU's
   # approximations add ~1e-6, checked end to end by experiments.bench_attention --check). Both
   # it and the reference map take pos·θ as one float32 product; the kernel then reduces it by
@@ -93,7 +93,8 @@ def test_cartesian_tile_matches_reference_map(head_dim, max_position):
                          .astype(jnp.float32)])
   freq = encodings.pope_frequencies(head_dim)
   phase = jax.random.uniform(ks[2], (head_dim,), jnp.float32, 0.0, 2 * math.pi)
-  got = np.asarray(cartesian_tile(x, pos, freq, phase, 0.5, jnp.float32), np.float64)
+  got = np.asarray(jnp.concatenate(cartesian_halves(x, pos, freq, phase, 0.5, jnp.float32),
+                                   axis=1), np.float64)
 
   pos_theta = pos[:, None] * freq                                      # float32, as both maps
   mag = 0.5 * np.logaddexp(0.0, np.asarray(x, np.float64))
