@@ -223,10 +223,14 @@ def check_failures(rows: list[dict], tol: float) -> list[str]:
 
 VARIANTS = {  # Changes to each head dim's default (`default_block_sizes`); {} is the default.
     "bench_h64": [dataclasses.replace(default_block_sizes(64), **change) for change in (
-        {}, {"a_in_registers": False, "stages_fwd": 2}, {"ping_pong": False},
-        {"ping_pong": False, "stages_fwd": 4})],
+        {}, {"block_kv_dq": 64, "block_q_dkv": 64},
+        {"overlap_bwd": True, "block_kv_dq": 64, "block_q_dkv": 64},
+        {"overlap_bwd": True, "block_kv_dq": 64, "block_q_dkv": 64, "stages": 3},
+        {"overlap_bwd": True, "block_kv_dq": 128, "block_q_dkv": 64},
+        {"overlap_bwd": True, "block_kv_dq": 64, "block_q_dkv": 128},
+        {"overlap_bwd": True})],
     "bench_h128": [dataclasses.replace(default_block_sizes(128), **change) for change in (
-        {}, {"a_in_registers": False, "stages_fwd": 2}, {"ping_pong": True})],
+        {}, {"overlap_bwd": True})],
 }
 
 
@@ -236,12 +240,16 @@ def variants(iters: int) -> list[dict]:
     shape = SHAPES[name]
     args = _inputs(shape)
     default_out = np.asarray(jax.jit(_pope_pallas)(*args), np.float32)
+    default_grads = [np.asarray(g, np.float32) for g in _fwd_bwd(_pope_pallas)(*args)]
     for blocks in configs:
       fn = lambda q, k, v, d, blocks=blocks: _pope_pallas(q, k, v, d, blocks)
       row = _measure(f"{name} {blocks}", fn, args, shape.forward_flops(), iters)
-      if "error" not in row:  # The same output as the default schedule, up to bf16 rounding.
+      if "error" not in row:  # The same results as the default schedule, up to bf16 rounding.
         got = np.asarray(jax.jit(fn)(*args), np.float32)
         row["fwd_max_diff_vs_default"] = float(np.abs(got - default_out).max())
+        grads = [np.asarray(g, np.float32) for g in _fwd_bwd(fn)(*args)]
+        row["grad_max_rel_diff_vs_default"] = max(  # over dq, dk, dv, dδ
+            float(np.abs(g - w).max() / np.abs(w).max()) for g, w in zip(grads, default_grads))
       print("variant", row, flush=True)
       out.append(row)
   return out

@@ -270,6 +270,68 @@ def matmul_overlapped(a, b, shape, acc: jax.Array, p, v, during, then=None):
   return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32), plgpu.ACC(acc.shape, jnp.float32))
 
 
+def gradient_step(scores, dscores, probs, ds_of, p_terms, ds_terms, dtype, *, overlap: bool):
+  """One streamed step of a flash-attention backward kernel (FlashAttention-2, Dao 2023, Alg. 2).
+
+  S = scores' lhs @ rhs, P = probs(S), dP = dscores' lhs @ rhs and dS = ds_of(P, dP) (float32
+  tiles); each (acc, rhs) of `p_terms` becomes acc + P @ rhs and each of `ds_terms` acc + dS @
+  rhs, with P and dS cast to `dtype` (register operands). dP is computed only when `ds_terms`
+  is not empty.
+
+  In order (`overlap` False; also on the CPU interpreter) each wgmma is awaited before the
+  next. With `overlap`, the order of FlashAttention-3's backward (Shah et al. 2024; its Hopper
+  backward main loop, flash-attention `hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp`): S and dP
+  are issued together and P is computed while dP is on the tensor cores; P's updates are
+  issued before dP is awaited, so they run while dS is computed; the step awaits all its
+  wgmmas once, at the end. Both score tiles are live at once (register pressure: two [M, N]
+  float32 tiles).
+
+  Args:
+    scores, dscores: (lhs, rhs, [M, N] shape) of S and dP; SMEM operands.
+    probs: float32 [M, N] S -> float32 P; ds_of: (P, dP) -> float32 dS.
+    p_terms, ds_terms: tuples of (float32 accumulator [M, W], SMEM rhs [N, W]).
+    dtype: dtype of the register operands P and dS.
+    overlap: the FlashAttention-3 order above.
+
+  Returns:
+    (the updated accumulators of p_terms, those of ds_terms), two tuples.
+  """
+  if not overlap or interpreted():
+    p = probs(matmul(*scores))
+    p_low = p.astype(dtype)
+    p_accs = tuple(matmul_acc(acc, p_low, rhs) for acc, rhs in p_terms)
+    if not ds_terms:
+      return p_accs, ()
+    ds = ds_of(p, matmul(*dscores)).astype(dtype)
+    return p_accs, tuple(matmul_acc(acc, ds, rhs) for acc, rhs in ds_terms)
+
+  terms = p_terms + ds_terms
+
+  def run(s_ref, *refs):
+    dp_ref, acc_refs = (refs[0], refs[1:]) if ds_terms else (None, refs)
+    for ref, (acc, _) in zip(acc_refs, terms):
+      ref[...] = acc
+    plgpu.wgmma(s_ref, *scores[:2])
+    if ds_terms:
+      plgpu.wgmma(dp_ref, *dscores[:2])
+    p = probs(plgpu.wgmma_accumulator_load(s_ref, wait_n=1 if ds_terms else 0))
+    p_low = p.astype(dtype)
+    for ref, (_, rhs) in zip(acc_refs, p_terms):
+      plgpu.wgmma(ref, p_low, rhs)
+    if ds_terms:  # dP was issued before P's updates: it completes first.
+      dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=len(p_terms))
+      ds = ds_of(p, dp).astype(dtype)
+      for ref, (_, rhs) in zip(acc_refs[len(p_terms):], ds_terms):
+        plgpu.wgmma(ref, ds, rhs)
+    return tuple(ref[...] for ref in acc_refs)
+
+  allocs = [plgpu.ACC(scores[2], jnp.float32)]
+  allocs += [plgpu.ACC(dscores[2], jnp.float32)] if ds_terms else []
+  allocs += [plgpu.ACC(acc.shape, jnp.float32) for acc, _ in terms]
+  accs = pl.run_scoped(run, *allocs)
+  return accs[:len(p_terms)], accs[len(p_terms):]
+
+
 def compute_loops_overlapped(ranges, carry, skip, first, step, last):
   """`compute_loops` for a software-pipelined step whose matmul p @ v lags one step behind.
 

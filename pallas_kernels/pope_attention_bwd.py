@@ -77,15 +77,18 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
         if mode == "skip":
           plgpu.barrier_arrive(consumed.at[slot])
           return dq_acc
-        s_blk = st.matmul(a_smem.at[wg], b_smem.at[slot].transpose((1, 0)), (bq, bk))
-        if mode == "masked":
-          kpos = st.row_vector(kpos_smem.at[slot], 1)
-          visible = st.broadcast(kpos, (bq, bk), 1) <= st.broadcast(qpos, (bq, bk), 0)
-          s_blk = jnp.where(visible, s_blk, st.NEG_INF)
-        p = jnp.exp2(s_blk - st.broadcast(lse, (bq, bk), 0))
-        dp = st.matmul(do_smem.at[wg], v_smem.at[slot].transpose((1, 0)), (bq, bk))
-        ds = p * (dp - st.broadcast(dlt, (bq, bk), 0))
-        dq_acc = st.matmul_acc(dq_acc, ds.astype(dtype), b_smem.at[slot])
+        def probs(s_blk):
+          if mode == "masked":
+            kpos = st.row_vector(kpos_smem.at[slot], 1)
+            visible = st.broadcast(kpos, (bq, bk), 1) <= st.broadcast(qpos, (bq, bk), 0)
+            s_blk = jnp.where(visible, s_blk, st.NEG_INF)
+          return jnp.exp2(s_blk - st.broadcast(lse, (bq, bk), 0))
+
+        _, (dq_acc,) = st.gradient_step(
+            (a_smem.at[wg], b_smem.at[slot].transpose((1, 0)), (bq, bk)),
+            (do_smem.at[wg], v_smem.at[slot].transpose((1, 0)), (bq, bk)),
+            probs, lambda p, dp: p * (dp - st.broadcast(dlt, (bq, bk), 0)),
+            (), ((dq_acc, b_smem.at[slot]),), dtype, overlap=blocks.overlap_bwd)
         plgpu.barrier_arrive(consumed.at[slot])
         return dq_acc
 
@@ -211,20 +214,26 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks, outputs):
           return accs
         accs = dict(zip(outputs, accs))
         a_smem, do_smem = str_smem["a"], str_smem["do"]
-        s_t = st.matmul(b_smem.at[wg], a_smem.at[slot].transpose((1, 0)), (bk, bq))
-        if mode == "masked":
-          qpos = st.row_vector(str_smem["qpos"].at[slot], 1)
-          visible = st.broadcast(kpos, (bk, bq), 0) <= st.broadcast(qpos, (bk, bq), 1)
-          s_t = jnp.where(visible, s_t, st.NEG_INF)
-        lse = st.row_vector(str_smem["lse"].at[slot], 1)
-        p_t = jnp.exp2(s_t - st.broadcast(lse, (bk, bq), 1))
-        if want_dv:
-          accs["dv"] = st.matmul_acc(accs["dv"], p_t.astype(dtype), do_smem.at[slot])
-        if want_db:
-          dp_t = st.matmul(smem["v"].at[wg], do_smem.at[slot].transpose((1, 0)), (bk, bq))
+
+        def probs(s_t):
+          if mode == "masked":
+            qpos = st.row_vector(str_smem["qpos"].at[slot], 1)
+            visible = st.broadcast(kpos, (bk, bq), 0) <= st.broadcast(qpos, (bk, bq), 1)
+            s_t = jnp.where(visible, s_t, st.NEG_INF)
+          lse = st.row_vector(str_smem["lse"].at[slot], 1)
+          return jnp.exp2(s_t - st.broadcast(lse, (bk, bq), 1))
+
+        def ds_of(p_t, dp_t):
           dlt = st.row_vector(str_smem["delta"].at[slot], 1)
-          ds_t = p_t * (dp_t - st.broadcast(dlt, (bk, bq), 1))
-          accs["db"] = st.matmul_acc(accs["db"], ds_t.astype(dtype), a_smem.at[slot])
+          return p_t * (dp_t - st.broadcast(dlt, (bk, bq), 1))
+
+        p_terms = ((accs["dv"], do_smem.at[slot]),) if want_dv else ()
+        ds_terms = ((accs["db"], a_smem.at[slot]),) if want_db else ()
+        p_accs, ds_accs = st.gradient_step(
+            (b_smem.at[wg], a_smem.at[slot].transpose((1, 0)), (bk, bq)),
+            (smem["v"].at[wg], do_smem.at[slot].transpose((1, 0)), (bk, bq)),
+            probs, ds_of, p_terms, ds_terms, dtype, overlap=blocks.overlap_bwd)
+        accs.update(zip(("dv",) * want_dv + ("db",) * want_db, p_accs + ds_accs))
         plgpu.barrier_arrive(consumed.at[slot])
         return tuple(accs[o] for o in outputs)
 

@@ -48,6 +48,11 @@ class BlockSizes:
       alone (two stages) 2.7 % faster at H = 128 and 4.3 % at H = 64 in one call; with the
       third forward stage it makes room for at H = 128, 4.6-5.8 % faster at H = 128 and
       within noise to 6 % at H = 64 over three calls.
+    overlap_bwd: dq and dk/dv kernels: each step issues S and dP together, computes P while dP
+      is on the tensor cores and issues P's updates (dv) before awaiting dP
+      (`_streaming.gradient_step`, the order of FlashAttention-3's backward), instead of
+      awaiting each wgmma in turn. Two float32 score tiles are then live at once, so it suits
+      64-wide streamed tiles (block_kv_dq, block_q_dkv).
     split_dkv: compute the key-side gradients db (of the Cartesian keys) and dv in two launches
       rather than one (`pope_attention_dkv`): the dv launch repeats a bᵀ and the pass over the
       queries, but neither spills registers where the one launch's accumulators do not fit
@@ -64,6 +69,7 @@ class BlockSizes:
   ping_pong: bool = True
   overlap: bool = False
   a_in_registers: bool = True
+  overlap_bwd: bool = False
   split_dkv: bool = False
 
   def __post_init__(self):
@@ -72,7 +78,7 @@ class BlockSizes:
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"BlockSizes.{field} must be an int, got {value!r}")
-    for field in ("ping_pong", "overlap", "a_in_registers", "split_dkv"):
+    for field in ("ping_pong", "overlap", "a_in_registers", "overlap_bwd", "split_dkv"):
       if not isinstance(getattr(self, field), bool):
         raise TypeError(f"BlockSizes.{field} must be a bool, got {getattr(self, field)!r}")
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",

@@ -199,12 +199,14 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
           plgpu.commit_smem()
       if save_a and a_smem is not None:
         plgpu.copy_smem_to_gmem(a_smem.at[wg], a_ref.at[batch, rows, head])
-      elif save_a:  # Each half through the output tile's SMEM (free until the final store).
+      elif save_a:  # Each half through the output tile's SMEM (free until the final store,
+        # which waits for the second half's copy to have read it).
         for i, half in enumerate(halves):
+          if i:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           o_smem.at[wg][...] = half
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(o_smem.at[wg], a_ref.at[batch, rows, head, pl.ds(i * h, h)])
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       # QKᵀ's left operand: a in registers (only b is then read from SMEM) or a's SMEM tile.
       a_lhs = a if blocks.a_in_registers else a_smem.at[wg]
       plgpu.barrier_wait(qpos_bar.at[wg])
@@ -324,6 +326,8 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
         pl.when(wg == 0)(handshake)
 
       with jax.named_scope("store"):
+        if save_a and a_smem is None:
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         empty = l_i == 0.0
         l_safe = jnp.where(empty, 1.0, l_i)
         o_smem.at[wg][...] = (acc / st.broadcast(l_safe, (bq, vd), 0)).astype(dtype)
