@@ -285,6 +285,9 @@ def test_block_size_defaults_and_types():
   # dv in two launches at H = 128, where one launch spills registers.
   assert default_block_sizes(64).ping_pong and not default_block_sizes(128).ping_pong
   assert default_block_sizes(128).split_dkv and not default_block_sizes(64).split_dkv
+  assert default_block_sizes(128).overlap_bwd and not default_block_sizes(64).overlap_bwd
+  with pytest.raises(TypeError, match="overlap_bwd"):
+    BlockSizes(overlap_bwd=1)
   with pytest.raises(TypeError, match="split_dkv"):
     BlockSizes(split_dkv=1)
   with pytest.raises(TypeError, match="stages"):
