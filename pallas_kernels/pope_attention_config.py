@@ -52,9 +52,10 @@ class BlockSizes:
       is on the tensor cores and issues P's updates (dv) before awaiting dP
       (`_streaming.gradient_step`, the order of FlashAttention-3's backward), instead of
       awaiting each wgmma in turn. Two float32 score tiles are then live at once, so it suits
-      64-wide streamed tiles (block_kv_dq, block_q_dkv); with 128-wide ones at H = 64 the dq
-      and dk/dv kernels spill 236-380 bytes. `default_block_sizes` turns it on at head dim 128
-      (docs/results, run 14).
+      64-wide streamed tiles (block_kv_dq, block_q_dkv); with 128-wide ones at H = 64, ptxas
+      spills 1,072 bytes in dk/dv and 48 in dq. `default_block_sizes` turns it on at head dim
+      128, where it spills more (dq 236 -> 376 bytes, dk/dv 244 -> 380) and still runs
+      0.5-1.1 % faster (docs/results, run 14).
     split_dkv: compute the key-side gradients db (of the Cartesian keys) and dv in two launches
       rather than one (`pope_attention_dkv`): the dv launch repeats a bᵀ and the pass over the
       queries, but neither spills registers where the one launch's accumulators do not fit
@@ -127,8 +128,8 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
   At both, the forward keeps a in registers and takes three stages where they fit (run 13;
   not at H = 128 when V != H and a is saved, nor at H = 64 with V > 64); the backward kernels
   keep two (at H = 128 three do not fit). At H = 128 the backward steps run in
-  FlashAttention-3's order (`overlap_bwd`: 0.8-1.1 % faster fwd+bwd in two calls, run 14); at
-  H = 64 that order with 64-wide streamed tiles was 1-3 % slower than these defaults.
+  FlashAttention-3's order (`overlap_bwd`: 0.5-1.1 % faster fwd+bwd in three calls, run 14);
+  at H = 64 that order with 64-wide streamed tiles was 1-3 % slower than these defaults.
   """
   if head_dim <= 64:
     return BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128, stages=2)
