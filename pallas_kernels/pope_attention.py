@@ -7,8 +7,10 @@ it is ordinary attention over width 2H. The keys are mapped to that form in one 
 (float32 angles, bf16/fp16 result); the forward kernel reads the raw queries and maps each query
 tile itself (the scale and log2(e) folded into q'), saving the result for the backward kernels
 when differentiated. The flash-attention kernels of `pope_attention_fwd` / `pope_attention_bwd`
-run under a `jax.custom_vjp`; the gradients of q, k and δ flow back through the Cartesian maps
-by their VJPs (δ's is a reduction over batch and positions).
+run under a `jax.custom_vjp`. The dq kernel maps its result through the query map's VJP
+itself (from a, `pope_attention_bwd.cartesian_vjp`), returning dq and the angles' gradient,
+whose sum over batch and positions is δ's; the keys' gradient flows back through the key
+map by its VJP in XLA.
 
 Supported: bf16/fp16 inputs with float32 accumulation, H in {32, 64, 128}, V <= 128, GQA
 (N % K == 0), any sequence lengths (zero-padded internally), query and key positions of shape
@@ -119,15 +121,21 @@ def _forward(q, phase, b, v, angle_pos, q_pos, k_pos, tables, blocks, base, magn
 def _flash_fwd(q, phase, b, v, angle_pos, q_pos, k_pos, tables, blocks, base, magnitude_scale):
   out, lse, a = _forward(q, phase, b, v, angle_pos, q_pos, k_pos, tables, blocks, base,
                          magnitude_scale, save_a=True)
-  return out, (q, phase, a, b, v, angle_pos, q_pos, k_pos, tables, out, lse)
+  return out, (a, b, v, angle_pos, q_pos, k_pos, tables, out, lse)
 
 
 def _flash_bwd(blocks, base, magnitude_scale, res, d_out):
-  q, phase, a, b, v, angle_pos, q_pos, k_pos, tables, out, lse = res
+  del base  # The backward needs no angles: the dq kernel maps from a itself.
+  a, b, v, angle_pos, q_pos, k_pos, tables, out, lse = res
   delta = jnp.einsum("btnv,btnv->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
   d_out = d_out.astype(a.dtype)
   args = (a, b, v, d_out, lse, delta, q_pos, k_pos)
-  da = pope_attention_dq(*args, tables[1], blocks=blocks)
+  # The dq kernel applies the query map's VJP itself (`cartesian_vjp`): dq and each angle's
+  # gradient, whose sum over batch and positions is the phase's.
+  h = a.shape[-1] // 2
+  dq_angle = pope_attention_dq(*args, tables[1], blocks=blocks, magnitude_scale=magnitude_scale)
+  dq = dq_angle[..., :h]
+  dphase = dq_angle[..., h:].astype(jnp.float32).sum((0, 1))
   if blocks.split_dkv:
     (db,) = pope_attention_dkv(*args, tables[2], blocks=blocks, outputs=("db",))
     (dv,) = pope_attention_dkv(*args, tables[2], blocks=blocks, outputs=("dv",))
@@ -140,12 +148,6 @@ def _flash_bwd(blocks, base, magnitude_scale, res, d_out):
       x = x.reshape(bsz, s_len, kv_heads, group, x.shape[-1]).astype(jnp.float32)
       return x.sum(3).astype(a.dtype)
     db, dv = group_sum(db), group_sum(dv)
-  # Through the query map (the kernel's `cartesian_halves`) by the reference map's VJP.
-  def query_map(q, phase):
-    a = encodings.pope_cartesian(q, angle_pos, base=base, phase=phase) * magnitude_scale
-    return a.astype(q.dtype)
-  _, map_vjp = jax.vjp(query_map, q, phase)
-  dq, dphase = map_vjp(da)
   return (dq, dphase, db, dv, jnp.zeros_like(angle_pos), jnp.zeros_like(q_pos),
           jnp.zeros_like(k_pos), None)
 

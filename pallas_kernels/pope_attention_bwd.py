@@ -24,21 +24,59 @@ from pallas_kernels import _streaming as st
 from pallas_kernels.pope_attention_config import BlockSizes
 
 _LN2 = math.log(2.0)
+# Below this magnitude μ, g(μ) = (1 - e^-μ) / μ is evaluated by its Taylor series (error < μ³/24).
+_G_SERIES_BELOW = 1.0 / 64
 
 
-@functools.partial(jax.jit, static_argnames=('blocks',))
-def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: BlockSizes):
-  """ln 2 · dS·b per query head.
+def cartesian_vjp(cart, d_cart, magnitude_scale: float):
+  """VJP of the PoPE Cartesian map evaluated from the map's own output (PoPE Eq. 7-10).
+
+  For x' = s·μ·[cos φ, sin φ] with μ = softplus(x) (`encodings.polar_to_cartesian`, whose
+  VJP is dx = σ(x)·s·(dx'_c cos φ + dx'_s sin φ), dφ = s·μ·(dx'_s cos φ - dx'_c sin φ)):
+    dx = g(μ)·(dx'_c x'_c + dx'_s x'_s),   dφ = dx'_s x'_c - dx'_c x'_s,
+  with μ = |x'| / s, σ(x) = softplus'(x) = 1 - e^-μ and g(μ) = σ / μ (-> 1 as μ -> 0). So the
+  dq kernel needs only the Cartesian tile it already holds, no angles or raw inputs.
 
   Args:
-    a: [B, T, N, D]; b: [B, S, K, D]; v: [B, S, K, V]; do: [B, T, N, V] (one dtype).
+    cart: [R, 2H] x' = [x'_c, x'_s] (any float dtype; the kernel's bf16/fp16 operand tile, so
+      μ and φ carry its rounding, about 2^-9 relative).
+    d_cart: [R, 2H] float32 cotangent of x'.
+    magnitude_scale: s > 0.
+
+  Returns:
+    (dx, dφ), each [R, H] float32.
+  """
+  rows, width = cart.shape
+  h = width // 2
+  half = lambda x, i: lax.slice(x, (0, i * h), (rows, (i + 1) * h)).astype(jnp.float32)
+  c, s = half(cart, 0), half(cart, 1)
+  dc, ds = half(d_cart, 0), half(d_cart, 1)
+  mu = jnp.sqrt(c * c + s * s) * (1.0 / magnitude_scale)
+  series = 1.0 - mu * (0.5 - mu * (1.0 / 6.0))
+  g = jnp.where(mu < _G_SERIES_BELOW, series, (1.0 - jnp.exp(-mu)) / mu)
+  return g * (dc * c + ds * s), ds * c - dc * s
+
+
+@functools.partial(jax.jit, static_argnames=('blocks', 'magnitude_scale'))
+def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: BlockSizes,
+                      magnitude_scale: float):
+  """Gradients of the raw queries and of their angles, from da = ln 2 · dS·b per query head.
+
+  The epilogue maps da through the query map's VJP (`cartesian_vjp`, from the resident tile a),
+  so no XLA pass reads da and recomputes the map.
+
+  Args:
+    a: [B, T, N, D] Cartesian queries a = s·softplus(q)·[cos φ, sin φ] (the forward's);
+    b: [B, S, K, D]; v: [B, S, K, V]; do: [B, T, N, V] (one dtype).
     lse, delta: [B, N, T] float32 (forward log-sum-exp, base 2; rowsum(dO ∘ O)).
     q_pos: [B, T], k_pos: [B, S] float32 positions with padding sentinels.
     table: [B, T / (2 block_q_dq), 10] int32 from `st.visit_table` (queries resident).
     blocks: tile sizes.
+    magnitude_scale: s of a.
 
   Returns:
-    [B, T, N, D] in a's dtype.
+    [B, T, N, D] in a's dtype: dq (the raw queries' gradient) in the first H = D / 2 columns,
+    dφ (each element's angle gradient; the phase's is its sum over B and T) in the last H.
   """
   bsz, t_len, n_heads, d = a.shape
   vd = v.shape[-1]
@@ -94,7 +132,10 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
 
       dq_acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
       dq_acc = st.compute_loops(ranges, dq_acc, step)
-      a_smem.at[wg][...] = (dq_acc * _LN2).astype(dtype)
+      dq, d_angle = cartesian_vjp(plgpu.load(a_smem.at[wg], layout=plgpu.Layout.WGMMA),
+                                  dq_acc * _LN2, magnitude_scale)
+      a_smem.at[wg][...] = plgpu.layout_cast(
+          jnp.concatenate([dq.astype(dtype), d_angle.astype(dtype)], axis=1), plgpu.Layout.WGMMA)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(a_smem.at[wg], dq_ref.at[batch, rows, head])
       plgpu.wait_smem_to_gmem(0)
