@@ -7,10 +7,10 @@ it is ordinary attention over width 2H. The keys are mapped to that form in one 
 (float32 angles, bf16/fp16 result); the forward kernel reads the raw queries and maps each query
 tile itself (the scale and log2(e) folded into q'), saving the result for the backward kernels
 when differentiated. The flash-attention kernels of `pope_attention_fwd` / `pope_attention_bwd`
-run under a `jax.custom_vjp`. The dq kernel maps its result through the query map's VJP
-itself (from a, `pope_attention_bwd.cartesian_vjp`), returning dq and the angles' gradient,
-whose sum over batch and positions is δ's; the keys' gradient flows back through the key
-map by its VJP in XLA.
+run under a `jax.custom_vjp`. The backward kernels map their results through the Cartesian
+maps' VJP themselves (from a and b, `pope_attention_bwd.cartesian_vjp`): the dq kernel returns
+dq and the angles' gradient, whose sum over batch and positions is δ's; the dk/dv kernel
+returns dk.
 
 Supported: bf16/fp16 inputs with float32 accumulation, H in {32, 64, 128}, V <= 128, GQA
 (N % K == 0), any sequence lengths (zero-padded internally), query and key positions of shape
@@ -103,30 +103,35 @@ def _pad_to(x, length: int, axis: int, value=0):
   return jnp.pad(x, pad, constant_values=value)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _flash(q, phase, b, v, angle_pos, q_pos, k_pos, tables, blocks: BlockSizes, base: float,
-           magnitude_scale: float):
-  return _forward(q, phase, b, v, angle_pos, q_pos, k_pos, tables, blocks, base,
-                  magnitude_scale, save_a=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
+def _flash(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, blocks: BlockSizes,
+           base: float, magnitude_scale: float):
+  return _forward(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, blocks, base,
+                  magnitude_scale, save_a=False)[1][0]
 
 
-def _forward(q, phase, b, v, angle_pos, q_pos, k_pos, tables, blocks, base, magnitude_scale,
-             *, save_a):
+def _forward(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, blocks, base,
+             magnitude_scale, *, save_a):
+  """The key map (one XLA pass; positions in their [S] / [B, S] shape, as angles broadcast over
+  the batch are cheaper), zero-padded to the values' length, then the forward kernel."""
+  b = encodings.pope_cartesian(k, k_angle_pos, base=base).astype(q.dtype)
+  b = _pad_to(b, v.shape[1], 1)
   freqs = encodings.pope_frequencies(q.shape[-1], base)
   rot = jnp.stack([jnp.broadcast_to(freqs, phase.shape), phase], axis=1)     # [N, 2, H]
-  return pope_attention_fwd(q, rot, angle_pos, b, v, q_pos, k_pos, tables[0], blocks=blocks,
-                            magnitude_scale=magnitude_scale, save_a=save_a)
+  return b, pope_attention_fwd(q, rot, angle_pos, b, v, q_pos, k_pos, tables[0], blocks=blocks,
+                               magnitude_scale=magnitude_scale, save_a=save_a)
 
 
-def _flash_fwd(q, phase, b, v, angle_pos, q_pos, k_pos, tables, blocks, base, magnitude_scale):
-  out, lse, a = _forward(q, phase, b, v, angle_pos, q_pos, k_pos, tables, blocks, base,
-                         magnitude_scale, save_a=True)
-  return out, (a, b, v, angle_pos, q_pos, k_pos, tables, out, lse)
+def _flash_fwd(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, blocks, base,
+               magnitude_scale):
+  b, (out, lse, a) = _forward(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables,
+                              blocks, base, magnitude_scale, save_a=True)
+  return out, (a, b, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, out, lse)
 
 
 def _flash_bwd(blocks, base, magnitude_scale, res, d_out):
-  del base  # The backward needs no angles: the dq kernel maps from a itself.
-  a, b, v, angle_pos, q_pos, k_pos, tables, out, lse = res
+  del base  # The backward needs no angles: the kernels map from a and b themselves.
+  a, b, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, out, lse = res
   delta = jnp.einsum("btnv,btnv->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
   d_out = d_out.astype(a.dtype)
   args = (a, b, v, d_out, lse, delta, q_pos, k_pos)
@@ -137,19 +142,20 @@ def _flash_bwd(blocks, base, magnitude_scale, res, d_out):
   dq = dq_angle[..., :h]
   dphase = dq_angle[..., h:].astype(jnp.float32).sum((0, 1))
   if blocks.split_dkv:
-    (db,) = pope_attention_dkv(*args, tables[2], blocks=blocks, outputs=("db",))
+    (dk,) = pope_attention_dkv(*args, tables[2], blocks=blocks, outputs=("dk",))
     (dv,) = pope_attention_dkv(*args, tables[2], blocks=blocks, outputs=("dv",))
   else:
-    db, dv = pope_attention_dkv(*args, tables[2], blocks=blocks)
-  bsz, s_len, kv_heads = b.shape[:3]
+    dk, dv = pope_attention_dkv(*args, tables[2], blocks=blocks)
+  bsz, s_pad, kv_heads = b.shape[:3]
   group = a.shape[2] // kv_heads
   if group > 1:
     def group_sum(x):
-      x = x.reshape(bsz, s_len, kv_heads, group, x.shape[-1]).astype(jnp.float32)
+      x = x.reshape(bsz, s_pad, kv_heads, group, x.shape[-1]).astype(jnp.float32)
       return x.sum(3).astype(a.dtype)
-    db, dv = group_sum(db), group_sum(dv)
-  return (dq, dphase, db, dv, jnp.zeros_like(angle_pos), jnp.zeros_like(q_pos),
-          jnp.zeros_like(k_pos), None)
+    dk, dv = group_sum(dk), group_sum(dv)
+  dk = dk[:, :k_angle_pos.shape[-1]]  # k is not padded (b is, after the map).
+  return (dq, dphase, dk, dv, jnp.zeros_like(angle_pos), jnp.zeros_like(k_angle_pos),
+          jnp.zeros_like(q_pos), jnp.zeros_like(k_pos), None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -157,14 +163,14 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 @functools.partial(jax.jit, static_argnames=("base", "is_causal", "blocks"))
 def _prepare(q, k, v, delta, q_positions, k_positions, *, base, is_causal, blocks):
-  """Padded operands: raw q, the query phase -δ, Cartesian k', positions and visit tables."""
+  """Operands: padded raw q, the query phase -δ, raw k with its float32 positions (unpadded:
+  `_forward` maps and pads them), padded v, positions and visit tables."""
   bsz, t_len, n_heads, h = q.shape
   s_len, vd = k.shape[1], v.shape[-1]
   # δ on the query side as -δ (the same score as δ on the keys, Eq. 5).
   phase = (jnp.zeros((n_heads, h), jnp.float32) if delta is None
            else -encodings.clamp_phase_bias(delta.astype(jnp.float32)))
-  # Positions keep their [S] / [B, S] shape here: angles broadcast over the batch are cheaper.
-  b = encodings.pope_cartesian(k, k_positions, base=base).astype(q.dtype)
+  k_angle_pos = jax.lax.stop_gradient(jnp.asarray(k_positions).astype(jnp.float32))
   q_pos = jnp.broadcast_to(jnp.asarray(q_positions), (bsz, t_len)).astype(jnp.float32)
   k_pos = jnp.broadcast_to(jnp.asarray(k_positions), (bsz, s_len))
 
@@ -172,7 +178,6 @@ def _prepare(q, k, v, delta, q_positions, k_positions, *, base, is_causal, block
   t_pad, s_pad = -(-t_len // mult) * mult, -(-s_len // mult) * mult
   v_pad = -(-vd // 64) * 64
   qr = _pad_to(q, t_pad, 1)
-  b = _pad_to(b, s_pad, 1)
   vp = _pad_to(_pad_to(v, s_pad, 1), v_pad, 3)
   angle_pos = jax.lax.stop_gradient(_pad_to(q_pos, t_pad, 1))
   qp = q_pos if is_causal else jnp.full(q_pos.shape, st.QUERY_SEES_ALL)
@@ -184,7 +189,7 @@ def _prepare(q, k, v, delta, q_positions, k_positions, *, base, is_causal, block
       st.visit_table(qp, kp, blocks.block_q_dq, blocks.block_kv_dq, rows_are_queries=True),
       st.visit_table(kp, qp, blocks.block_kv_dkv, blocks.block_q_dkv, rows_are_queries=False),
   )
-  return qr, phase, b, vp, angle_pos, qp, kp, tables
+  return qr, phase, k, vp, angle_pos, k_angle_pos, qp, kp, tables
 
 
 def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: bool = False,

@@ -1,9 +1,11 @@
 """Backward kernels of fused PoPE attention: dq (resident queries) and dk, dv (resident keys).
 
 For O = softmax₂(a bᵀ) v (see `pope_attention_fwd`) with P = exp2(a bᵀ - lse) and
-Δ = rowsum(dO ∘ O), the kernels return dS·b, dSᵀ·a and Pᵀ·dO where dS = P ∘ (dO vᵀ - Δ)
-(FlashAttention-2, Dao 2023, Alg. 2), the first two times ln 2 (the logits are base 2:
-d exp2(x) = ln 2 · exp2(x) dx), applied to the float32 accumulators before the cast.
+Δ = rowsum(dO ∘ O), the kernels compute da = dS·b, db = dSᵀ·a and dv = Pᵀ·dO where
+dS = P ∘ (dO vᵀ - Δ) (FlashAttention-2, Dao 2023, Alg. 2), the first two times ln 2 (the
+logits are base 2: d exp2(x) = ln 2 · exp2(x) dx), in float32 accumulators. Their epilogues map
+da and db through the Cartesian maps' VJP (`cartesian_vjp`, from the resident a or b tile) to
+the gradients of the raw queries and keys (and the query angles'), so the outputs are H wide.
 
 Shape letters: B batch, T padded query length, S padded key length, N query heads, K kv heads,
 D = 2H q/k width, V value width.
@@ -181,13 +183,15 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
   )(a, b, v, do, lse, delta, q_pos, k_pos, table)
 
 
-_DKV_OUTPUTS = ("db", "dv")
+_DKV_OUTPUTS = ("dk", "dv")
 
 
 def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: BlockSizes,
                        outputs: tuple[str, ...] = _DKV_OUTPUTS):
-  """ln 2 · dSᵀ·a and Pᵀ·dO per query head (the caller sums a GQA group).
+  """Per query head, the raw keys' gradient dk and Pᵀ·dO (the caller sums a GQA group).
 
+  dk is db = ln 2 · dSᵀ·a mapped through the key map's VJP in the epilogue (`cartesian_vjp`
+  from the resident tile b, s = 1), so no XLA pass reads db and recomputes the map.
   `outputs` picks which of the two one launch computes: both share P, but at D = 256 (H = 128)
   their float32 accumulators (db 128 + dv 64 registers per thread) and the P, dP tiles exceed a
   warpgroup's registers and spill, so `BlockSizes.split_dkv` computes them in two launches (dv's
@@ -196,11 +200,11 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: 
 
   Args:
     as in `pope_attention_dq`, except table: [B, S / (2 block_kv_dkv), 10] int32 from
-    `st.visit_table` with keys resident.
-    outputs: a non-empty ordered subset of ("db", "dv") (any sequence).
+    `st.visit_table` with keys resident; b = softplus(k)·[cos sθ, sin sθ].
+    outputs: a non-empty ordered subset of ("dk", "dv") (any sequence).
 
   Returns:
-    a tuple in `outputs` order of db [B, S, N, D] and dv [B, S, N, V], in a's dtype.
+    a tuple in `outputs` order of dk [B, S, N, H] (H = D / 2) and dv [B, S, N, V], in a's dtype.
 
   Raises:
     ValueError: `outputs` is empty, repeats a name or names another output.
@@ -213,8 +217,9 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: 
 
 @functools.partial(jax.jit, static_argnames=('blocks', 'outputs'))
 def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks, outputs):
-  want_db, want_dv = "db" in outputs, "dv" in outputs
+  want_dk, want_dv = "dk" in outputs, "dv" in outputs
   bsz, t_len, n_heads, d = a.shape
+  h = d // 2
   s_len, vd = v.shape[1], v.shape[-1]
   group = n_heads // b.shape[2]
   bk, bq, stages = blocks.block_kv_dkv, blocks.block_q_dkv, blocks.stages
@@ -222,8 +227,31 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks, outputs):
   wgs = st.COMPUTE_WGS
   # Operands loaded per compute warpgroup (resident) and per stage (streamed); dv alone needs
   # neither v nor Δ (v's SMEM tile is still allocated: it stages dv for the store).
-  resident = ("b", "kpos") + (("v",) if want_db else ())
-  streamed = ("a", "do", "lse", "qpos") + (("delta",) if want_db else ())
+  resident = ("b", "kpos") + (("v",) if want_dk else ())
+  streamed = ("a", "do", "lse", "qpos") + (("delta",) if want_dk else ())
+  tf = st.tile_transforms()
+  str_types = {"a": plgpu.SMEM((stages, bq, d), dtype, transforms=tf),
+               "do": plgpu.SMEM((stages, bq, vd), dtype, transforms=tf),
+               "lse": plgpu.SMEM((stages, bq), jnp.float32),
+               "delta": plgpu.SMEM((stages, bq), jnp.float32),
+               "qpos": plgpu.SMEM((stages, bq), jnp.float32)}
+
+  def scratch_types(dk_in_v: bool):
+    res_types = {"b": plgpu.SMEM((wgs, bk, d), dtype, transforms=tf),
+                 "v": plgpu.SMEM((wgs, bk, vd), dtype, transforms=tf),
+                 "kpos": plgpu.SMEM((wgs, bk), jnp.float32)}
+    if want_dk and not dk_in_v:
+      res_types["dk"] = plgpu.SMEM((wgs, bk, h), dtype, transforms=st.tile_transforms(h))
+    return (res_types, {n: str_types[n] for n in streamed},
+            plgpu.Barrier(num_barriers=len(resident) * wgs),
+            st.ready_barrier(stages, len(streamed)),
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages))
+
+  # dk (H wide) is staged for its store in its own tile where that fits in SMEM (or when V != H),
+  # else in v's resident tile, free after the loop (after dv's store has read it, if any).
+  dk_in_v = want_dk and vd == h and (
+      not want_dv or st.smem_bytes(scratch_types(False)) > st.smem_limit())
+  scratch = scratch_types(dk_in_v)
 
   def pope_dkv_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
                       tab_ref, out_refs, smem, str_smem, res_bar, ready, consumed):
@@ -269,26 +297,30 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks, outputs):
           return p_t * (dp_t - st.broadcast(dlt, (bk, bq), 1))
 
         p_terms = ((accs["dv"], do_smem.at[slot]),) if want_dv else ()
-        ds_terms = ((accs["db"], a_smem.at[slot]),) if want_db else ()
+        ds_terms = ((accs["dk"], a_smem.at[slot]),) if want_dk else ()
         p_accs, ds_accs = st.gradient_step(
             (b_smem.at[wg], a_smem.at[slot].transpose((1, 0)), (bk, bq)),
             (smem["v"].at[wg], do_smem.at[slot].transpose((1, 0)), (bk, bq)),
             probs, ds_of, p_terms, ds_terms, dtype, overlap=blocks.overlap_bwd)
-        accs.update(zip(("dv",) * want_dv + ("db",) * want_db, p_accs + ds_accs))
+        accs.update(zip(("dv",) * want_dv + ("dk",) * want_dk, p_accs + ds_accs))
         plgpu.barrier_arrive(consumed.at[slot])
         return tuple(accs[o] for o in outputs)
 
-      widths = {"db": d, "dv": vd}
+      widths = {"dk": d, "dv": vd}  # The dk accumulator holds db (D wide).
       accs = tuple(plgpu.layout_cast(jnp.zeros((bk, widths[o]), jnp.float32),
                                      plgpu.Layout.WGMMA) for o in outputs)
       accs = dict(zip(outputs, st.compute_loops(ranges, accs, step)))
-      # The resident tiles' SMEM is free now: stage the results there for the TMA stores.
-      stage = {"db": smem["b"].at[wg], "dv": smem["v"].at[wg]}
-      for o in outputs:
-        stage[o][...] = (accs[o] * _LN2 if o == "db" else accs[o]).astype(dtype)
-      plgpu.commit_smem()
-      for o in outputs:
-        plgpu.copy_smem_to_gmem(stage[o], out_refs[o].at[batch, cols, head])
+      # v's resident tile is free now: it stages dv (and dk, see dk_in_v) for the TMA stores.
+      if want_dk:  # db through the key map's VJP (s = 1): the raw keys' gradient.
+        accs["dk"], _ = cartesian_vjp(plgpu.load(b_smem.at[wg], layout=plgpu.Layout.WGMMA),
+                                      accs["dk"] * _LN2, 1.0)
+      stage = {"dk": smem["v"] if dk_in_v else smem.get("dk"), "dv": smem["v"]}
+      for i, o in enumerate(outputs):
+        if i and dk_in_v:  # The previous output's store must have read the shared tile.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        stage[o].at[wg][...] = accs[o].astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage[o].at[wg], out_refs[o].at[batch, cols, head])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == wgs)
@@ -303,25 +335,9 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks, outputs):
       st.memory_warpgroup((tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]), stages, consumed,
                           ready, copies)
 
-  tf = st.tile_transforms()
-  res_types = {"b": plgpu.SMEM((wgs, bk, d), dtype, transforms=tf),
-               "v": plgpu.SMEM((wgs, bk, vd), dtype, transforms=tf),
-               "kpos": plgpu.SMEM((wgs, bk), jnp.float32)}
-  str_types = {"a": plgpu.SMEM((stages, bq, d), dtype, transforms=tf),
-               "do": plgpu.SMEM((stages, bq, vd), dtype, transforms=tf),
-               "lse": plgpu.SMEM((stages, bq), jnp.float32),
-               "delta": plgpu.SMEM((stages, bq), jnp.float32),
-               "qpos": plgpu.SMEM((stages, bq), jnp.float32)}
-  scratch = (
-      res_types,
-      {n: str_types[n] for n in streamed},
-      plgpu.Barrier(num_barriers=len(resident) * wgs),
-      st.ready_barrier(stages, len(streamed)),
-      plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-  )
   st.check_smem(scratch, "dk/dv", f"lower BlockSizes.stages ({stages}), block_kv_dkv ({bk}) or "
                 f"block_q_dkv ({bq})")
-  shapes = {"db": (bsz, s_len, n_heads, d), "dv": (bsz, s_len, n_heads, vd)}
+  shapes = {"dk": (bsz, s_len, n_heads, h), "dv": (bsz, s_len, n_heads, vd)}
   out = plgpu.kernel(
       pope_dkv_kernel,
       out_type={o: jax.ShapeDtypeStruct(shapes[o], dtype) for o in outputs},

@@ -253,7 +253,7 @@ def test_dkv_outputs_validate():
   x = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
   row = jnp.zeros((1, 1, 128), jnp.float32)
   args = (x, x, x[..., :64], x[..., :64], row, row, row[0], row[0], None)
-  for outputs in ((), ("dq",), ("db", "db"), ["db", "dk"]):
+  for outputs in ((), ("dq",), ("dk", "dk"), ["dk", "db"]):
     with pytest.raises(ValueError, match="outputs"):
       pope_attention_dkv(*args, blocks=default_block_sizes(64), outputs=outputs)
 

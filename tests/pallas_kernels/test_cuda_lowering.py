@@ -1,0 +1,62 @@
+"""The kernels' GPU code paths lowered for CUDA on a machine without a GPU.
+
+The CPU interpreter runs the kernels with SMEM-operand matmuls and without the ping-pong
+handshakes (`_streaming.interpreted`); these tests lower the paths that only the GPU runs
+(register-operand wgmmas, the overlapped schedules, the backward's FlashAttention-3 order, the
+epilogues) through Pallas' Mosaic GPU lowering to NVVM, so an op it cannot lower fails here
+rather than on the GPU. They do not run ptxas or the kernels (experiments.bench_attention
+--check does, on a GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import _streaming
+from pallas_kernels import pope_attention as kernel
+from pallas_kernels.pope_attention_config import default_block_sizes
+
+KERNELS = ("pope_fwd_kernel", "pope_dq_kernel", "pope_dkv_kernel")
+
+
+@pytest.fixture
+def gpu_paths(monkeypatch):
+  monkeypatch.setattr(_streaming, "interpreted", lambda: False)
+  monkeypatch.setattr(kernel, "_check_platform", lambda: None)
+
+
+def _lowered_text(h, vd, n, kh, change, is_causal=True):
+  blocks = dataclasses.replace(default_block_sizes(h), **change)
+  q = jax.ShapeDtypeStruct((2, 200, n, h), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((2, 300, kh, h), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((2, 300, kh, vd), jnp.bfloat16)
+  delta = jax.ShapeDtypeStruct((n, h), jnp.float32)
+
+  def loss(q, k, v, delta):
+    out = kernel.pope_attention(q, k, v, delta, is_causal=is_causal, block_sizes=blocks)
+    return out.astype(jnp.float32).sum()
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+  return grad.trace(q, k, v, delta).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("h, vd, n, kh, change", [
+    (64, 64, 2, 2, {}),
+    (128, 128, 2, 1, {}),
+    (128, 64, 2, 2, {}),
+    (32, 96, 4, 1, {}),
+    (64, 64, 2, 2, {"overlap": True, "stages": 3}),
+    (64, 64, 2, 2, {"overlap": True, "ping_pong": False, "a_in_registers": False,
+                    "stages_fwd": 2}),
+    (64, 64, 2, 2, {"overlap_bwd": True, "block_kv_dq": 64, "block_q_dkv": 64}),
+    (128, 128, 2, 2, {"ping_pong": True, "split_dkv": False, "overlap_bwd": False,
+                      "stages_fwd": 2}),
+])
+def test_gpu_paths_lower_for_cuda(gpu_paths, h, vd, n, kh, change):
+  text = _lowered_text(h, vd, n, kh, change)
+  for name in KERNELS:
+    assert name in text, name
