@@ -56,10 +56,10 @@ class BlockSizes:
       spills 1,072 bytes in dk/dv and 48 in dq. `default_block_sizes` turns it on at head dim
       128, where it spills more (dq 236 -> 376 bytes, dk/dv 244 -> 380) and still runs
       0.5-1.1 % faster (docs/results, run 14).
-    split_dkv: compute the key-side gradients db (of the Cartesian keys) and dv in two launches
-      rather than one (`pope_attention_dkv`): the dv launch repeats a bᵀ and the pass over the
-      queries, but neither spills registers where the one launch's accumulators do not fit
-      (`default_block_sizes` turns it on at head dim 128).
+    split_dkv: compute the key-side gradients dk and dv in two launches rather than one
+      (`pope_attention_dkv`): the dv launch repeats a bᵀ and the pass over the queries, but at
+      head dim 128, where one launch's float32 accumulators (db, D wide, and dv) spill, two
+      measured faster (docs/results, run 9); `default_block_sizes` turns it on there.
   """
   block_q: int = 64
   block_kv: int = 128
