@@ -282,8 +282,8 @@ def gradient_step(scores, dscores, probs, ds_of, p_terms, ds_terms, dtype, *, ov
   next. With `overlap`, the order of FlashAttention-3's backward (Shah et al. 2024; its Hopper
   backward main loop, flash-attention `hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp`): S and dP
   are issued together and P is computed while dP is on the tensor cores; P's updates are
-  issued before dP is awaited, so they run while dS is computed; the step awaits all its
-  wgmmas once, at the end. Both score tiles are live at once (register pressure: two [M, N]
+  issued before dP is awaited, so they run while dS is computed; S and dP are awaited as
+  needed (leaving the later wgmmas in flight), the updates once, at the end. Both score tiles are live at once (register pressure: two [M, N]
   float32 tiles).
 
   Args:

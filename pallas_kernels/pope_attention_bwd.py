@@ -5,7 +5,8 @@ For O = softmax₂(a bᵀ) v (see `pope_attention_fwd`) with P = exp2(a bᵀ - l
 dS = P ∘ (dO vᵀ - Δ) (FlashAttention-2, Dao 2023, Alg. 2), the first two times ln 2 (the
 logits are base 2: d exp2(x) = ln 2 · exp2(x) dx), in float32 accumulators. Their epilogues map
 da and db through the Cartesian maps' VJP (`cartesian_vjp`, from the resident a or b tile) to
-the gradients of the raw queries and keys (and the query angles'), so the outputs are H wide.
+the gradients of the raw queries and keys: the dq kernel returns [dq | dφ] (dφ the query
+angles' gradient), the dk/dv kernel dk and dv.
 
 Shape letters: B batch, T padded query length, S padded key length, N query heads, K kv heads,
 D = 2H q/k width, V value width.
@@ -37,11 +38,13 @@ def cartesian_vjp(cart, d_cart, magnitude_scale: float):
   VJP is dx = σ(x)·s·(dx'_c cos φ + dx'_s sin φ), dφ = s·μ·(dx'_s cos φ - dx'_c sin φ)):
     dx = g(μ)·(dx'_c x'_c + dx'_s x'_s),   dφ = dx'_s x'_c - dx'_c x'_s,
   with μ = |x'| / s, σ(x) = softplus'(x) = 1 - e^-μ and g(μ) = σ / μ (-> 1 as μ -> 0). So the
-  dq kernel needs only the Cartesian tile it already holds, no angles or raw inputs.
+  dq and dk/dv kernels need only the Cartesian tile they already hold (a or b), no angles or
+  raw inputs.
 
   Args:
-    cart: [R, 2H] x' = [x'_c, x'_s] (any float dtype; the kernel's bf16/fp16 operand tile, so
-      μ and φ carry its rounding, about 2^-9 relative).
+    cart: [R, 2H] x' = [x'_c, x'_s] (any float dtype; the kernels' bf16/fp16 operand tile, so
+      μ and φ carry its rounding: 2^-9 relative in bf16, 2^-11 in fp16, more where fp16 x' is
+      subnormal (|x'| < 6.1e-5: raw inputs below about -9), where dx is tiny).
     d_cart: [R, 2H] float32 cotangent of x'.
     magnitude_scale: s > 0.
 
@@ -247,8 +250,10 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks, outputs):
             st.ready_barrier(stages, len(streamed)),
             plgpu.Barrier(num_arrivals=wgs, num_barriers=stages))
 
-  # dk (H wide) is staged for its store in its own tile where that fits in SMEM (or when V != H),
-  # else in v's resident tile, free after the loop (after dv's store has read it, if any).
+  # dk (H wide) is staged for its store in v's resident tile (free after the loop) when V = H
+  # and the launch computes no dv or dk's own tile does not fit in SMEM (then dv's store waits
+  # until dk's has read the tile); else in its own tile. So with V != H the own tile must fit,
+  # which lowers the largest block sizes that do (e.g. H = 128, V = 64: 2 stages, not 3).
   dk_in_v = want_dk and vd == h and (
       not want_dv or st.smem_bytes(scratch_types(False)) > st.smem_limit())
   scratch = scratch_types(dk_in_v)

@@ -60,3 +60,6 @@ def test_gpu_paths_lower_for_cuda(gpu_paths, h, vd, n, kh, change):
   text = _lowered_text(h, vd, n, kh, change)
   for name in KERNELS:
     assert name in text, name
+  # Only the overlapped schedules await a wgmma group with one left in flight.
+  blocks = dataclasses.replace(default_block_sizes(h), **change)
+  assert ("wgmma.wait_group.sync.aligned 1" in text) == (blocks.overlap or blocks.overlap_bwd)

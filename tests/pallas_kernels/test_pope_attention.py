@@ -187,7 +187,8 @@ def test_cartesian_vjp_matches_reference_map_vjp(head_dim):
   # The dq kernel's epilogue (the query map's VJP from the map's own output, on CPU as plain
   # jnp) against autodiff of the reference map (its hand-written VJP, float32), with raw
   # values from softplus ~ 1e-13 (the series branch) to 30 and positions to 2**20. The kernel
-  # sees a in bf16 (about 2^-9 relative more); its gradients are checked end to end below.
+  # sees a in bf16 (about 2^-9 relative more: the last check); the kernel's gradients are
+  # checked end to end by the other tests here.
   ks = jax.random.split(jax.random.key(head_dim), 4)
   b, t, n, s = 2, 48, 3, 0.3
   q = jax.random.uniform(ks[0], (b, t, n, head_dim), jnp.float32, -30.0, 30.0)
@@ -202,6 +203,25 @@ def test_cartesian_vjp_matches_reference_map_vjp(head_dim):
   np.testing.assert_allclose(dq, want_dq, rtol=1e-4, atol=1e-5 * np.abs(want_dq).max())
   np.testing.assert_allclose(d_angle.sum((0, 1)), want_dphase, rtol=1e-4,
                              atol=1e-5 * np.abs(want_dphase).max())
+  dq16, d_angle16 = cartesian_vjp(a.astype(jnp.bfloat16).reshape(-1, 2 * head_dim),
+                                  da.reshape(-1, 2 * head_dim), s)
+  np.testing.assert_allclose(dq16.reshape(q.shape), want_dq, atol=1e-2 * np.abs(want_dq).max())
+  np.testing.assert_allclose(d_angle16.reshape(q.shape).sum((0, 1)), want_dphase,
+                             atol=1e-2 * np.abs(want_dphase).max())
+
+
+def test_cartesian_vjp_magnitude_factor():
+  # g(μ) = (1 - e^-μ) / μ across the series branch (μ < 1/64) and the exp branch, against
+  # float64: dx / x'_c for x' = [s·μ, 0] and dx' = [1, 0].
+  s = 0.3
+  mu = np.geomspace(1e-8, 20.0, 200).astype(np.float32)
+  cart = jnp.stack([jnp.asarray(mu) * s, jnp.zeros_like(mu)], axis=1)
+  d_cart = jnp.stack([jnp.ones_like(mu), jnp.zeros_like(mu)], axis=1)
+  dx, d_angle = cartesian_vjp(cart, d_cart, s)
+  mu64 = np.asarray(cart[:, 0], np.float64) / s
+  np.testing.assert_allclose(np.asarray(dx[:, 0], np.float64) / np.asarray(cart[:, 0]),
+                             -np.expm1(-mu64) / mu64, rtol=2e-5)
+  np.testing.assert_array_equal(d_angle, 0.0)
 
 @pytest.mark.parametrize("head_dim, split_dkv, a_in_registers", [
     (64, False, True), (64, True, True), (128, False, True), (64, False, False)])
