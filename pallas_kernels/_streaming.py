@@ -283,8 +283,8 @@ def gradient_step(scores, dscores, probs, ds_of, p_terms, ds_terms, dtype, *, ov
   backward main loop, flash-attention `hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp`): S and dP
   are issued together and P is computed while dP is on the tensor cores; P's updates are
   issued before dP is awaited, so they run while dS is computed; S and dP are awaited as
-  needed (leaving the later wgmmas in flight), the updates once, at the end. Both score tiles are live at once (register pressure: two [M, N]
-  float32 tiles).
+  needed (leaving the later wgmmas in flight), the updates once, at the end. Both score tiles
+  are live at once (register pressure: two [M, N] float32 tiles).
 
   Args:
     scores, dscores: (lhs, rhs, [M, N] shape) of S and dP; SMEM operands.
