@@ -202,8 +202,9 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: 
   docs/results/attention_kernel.md, run 9).
 
   Args:
-    as in `pope_attention_dq`, except table: [B, S / (2 block_kv_dkv), 10] int32 from
-    `st.visit_table` with keys resident; b = softplus(k)·[cos sθ, sin sθ].
+    as in `pope_attention_dq` (without magnitude_scale: b = softplus(k)·[cos sθ, sin sθ] has
+    s = 1), except table: [B, S / (2 block_kv_dkv), 10] int32 from `st.visit_table` with keys
+    resident.
     outputs: a non-empty ordered subset of ("dk", "dv") (any sequence).
 
   Returns:
