@@ -9,8 +9,8 @@ tile itself (the scale and log2(e) folded into q'), saving the result for the ba
 when differentiated. The flash-attention kernels of `pope_attention_fwd` / `pope_attention_bwd`
 run under a `jax.custom_vjp`. The backward kernels map their results through the Cartesian
 maps' VJP themselves (from a and b, `pope_attention_bwd.cartesian_vjp`): the dq kernel returns
-dq and the angles' gradient, whose sum over batch and positions is δ's; the dk/dv kernel
-returns dk.
+dq and the angles' gradient, whose sum over batch and positions is δ's (for bf16; for fp16
+XLA maps the dq kernel's result, see `_query_vjp_in_kernel`); the dk/dv kernel returns dk.
 
 Supported: bf16/fp16 inputs with float32 accumulation, H in {32, 64, 128}, V <= 128, GQA
 (N % K == 0), any sequence lengths (zero-padded internally), query and key positions of shape
@@ -122,25 +122,40 @@ def _forward(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, block
                                magnitude_scale=magnitude_scale, save_a=save_a)
 
 
+def _query_vjp_in_kernel(dtype) -> bool:
+  """Whether the dq kernel applies the query map's VJP (`cartesian_vjp`), returning dq and the
+  angles' gradient dφ in q's dtype. Not for fp16: dφ ∝ da·a underflows its range where the raw
+  queries are below about -6 (the phase gradient, dφ's sum, lost up to 13 % there on CPU,
+  docs/results run 14), so there the kernel returns da and XLA maps it in float32."""
+  return jnp.dtype(dtype) != jnp.dtype(jnp.float16)
+
+
 def _flash_fwd(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, blocks, base,
                magnitude_scale):
   b, (out, lse, a) = _forward(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables,
                               blocks, base, magnitude_scale, save_a=True)
-  return out, (a, b, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, out, lse)
+  query = () if _query_vjp_in_kernel(q.dtype) else (q, phase)  # for the map's VJP in XLA
+  return out, (a, b, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, out, lse, query)
 
 
 def _flash_bwd(blocks, base, magnitude_scale, res, d_out):
-  del base  # The backward needs no angles: the kernels map from a and b themselves.
-  a, b, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, out, lse = res
+  a, b, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, out, lse, query = res
   delta = jnp.einsum("btnv,btnv->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
   d_out = d_out.astype(a.dtype)
   args = (a, b, v, d_out, lse, delta, q_pos, k_pos)
-  # The dq kernel applies the query map's VJP itself (`cartesian_vjp`): dq and each angle's
-  # gradient, whose sum over batch and positions is the phase's.
   h = a.shape[-1] // 2
-  dq_angle = pope_attention_dq(*args, tables[1], blocks=blocks, magnitude_scale=magnitude_scale)
-  dq = dq_angle[..., :h]
-  dphase = dq_angle[..., h:].astype(jnp.float32).sum((0, 1))
+  if not query:  # The dq kernel maps da: dq and each angle's gradient, summed into the phase's.
+    dq_angle = pope_attention_dq(*args, tables[1], blocks=blocks,
+                                 magnitude_scale=magnitude_scale)
+    dq = dq_angle[..., :h]
+    dphase = dq_angle[..., h:].astype(jnp.float32).sum((0, 1))
+  else:  # da through the reference map's VJP (float32), as the kernel's `cartesian_halves`.
+    da = pope_attention_dq(*args, tables[1], blocks=blocks, magnitude_scale=None)
+    def query_map(q, phase):
+      a = encodings.pope_cartesian(q, angle_pos, base=base, phase=phase) * magnitude_scale
+      return a.astype(q.dtype)
+    _, map_vjp = jax.vjp(query_map, *query)
+    dq, dphase = map_vjp(da)
   if blocks.split_dkv:
     (dk,) = pope_attention_dkv(*args, tables[2], blocks=blocks, outputs=("dk",))
     (dv,) = pope_attention_dkv(*args, tables[2], blocks=blocks, outputs=("dv",))

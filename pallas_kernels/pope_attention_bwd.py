@@ -64,11 +64,14 @@ def cartesian_vjp(cart, d_cart, magnitude_scale: float):
 
 @functools.partial(jax.jit, static_argnames=('blocks', 'magnitude_scale'))
 def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: BlockSizes,
-                      magnitude_scale: float):
+                      magnitude_scale: float | None):
   """Gradients of the raw queries and of their angles, from da = ln 2 · dS·b per query head.
 
-  The epilogue maps da through the query map's VJP (`cartesian_vjp`, from the resident tile a),
-  so no XLA pass reads da and recomputes the map.
+  With `magnitude_scale`, the epilogue maps da through the query map's VJP (`cartesian_vjp`,
+  from the resident tile a), so no XLA pass reads da and recomputes the map. Without, it
+  returns da: the caller maps it (for fp16, whose range cannot hold dφ ∝ da·a per element
+  where the raw queries are below about -6: the phase gradient, its sum, lost up to 13 % there
+  on CPU, docs/results run 14).
 
   Args:
     a: [B, T, N, D] Cartesian queries a = s·softplus(q)·[cos φ, sin φ] (the forward's);
@@ -77,11 +80,12 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
     q_pos: [B, T], k_pos: [B, S] float32 positions with padding sentinels.
     table: [B, T / (2 block_q_dq), 10] int32 from `st.visit_table` (queries resident).
     blocks: tile sizes.
-    magnitude_scale: s of a.
+    magnitude_scale: s of a, or None.
 
   Returns:
-    [B, T, N, D] in a's dtype: dq (the raw queries' gradient) in the first H = D / 2 columns,
-    dφ (each element's angle gradient; the phase's is its sum over B and T) in the last H.
+    [B, T, N, D] in a's dtype: with `magnitude_scale`, dq (the raw queries' gradient) in the
+    first H = D / 2 columns and dφ (each element's angle gradient; the phase's is its sum over
+    B and T) in the last H; without, da.
   """
   bsz, t_len, n_heads, d = a.shape
   vd = v.shape[-1]
@@ -137,10 +141,13 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
 
       dq_acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
       dq_acc = st.compute_loops(ranges, dq_acc, step)
-      dq, d_angle = cartesian_vjp(plgpu.load(a_smem.at[wg], layout=plgpu.Layout.WGMMA),
-                                  dq_acc * _LN2, magnitude_scale)
-      a_smem.at[wg][...] = plgpu.layout_cast(
-          jnp.concatenate([dq.astype(dtype), d_angle.astype(dtype)], axis=1), plgpu.Layout.WGMMA)
+      if magnitude_scale is None:
+        a_smem.at[wg][...] = (dq_acc * _LN2).astype(dtype)
+      else:
+        dq, d_angle = cartesian_vjp(plgpu.load(a_smem.at[wg], layout=plgpu.Layout.WGMMA),
+                                    dq_acc * _LN2, magnitude_scale)
+        a_smem.at[wg][...] = plgpu.layout_cast(jnp.concatenate(
+            [dq.astype(dtype), d_angle.astype(dtype)], axis=1), plgpu.Layout.WGMMA)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(a_smem.at[wg], dq_ref.at[batch, rows, head])
       plgpu.wait_smem_to_gmem(0)

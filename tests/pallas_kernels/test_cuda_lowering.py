@@ -29,11 +29,11 @@ def gpu_paths(monkeypatch):
   monkeypatch.setattr(kernel, "_check_platform", lambda: None)
 
 
-def _lowered_text(h, vd, n, kh, change, is_causal=True):
+def _lowered_text(h, vd, n, kh, change, dtype=jnp.bfloat16, is_causal=True):
   blocks = dataclasses.replace(default_block_sizes(h), **change)
-  q = jax.ShapeDtypeStruct((2, 200, n, h), jnp.bfloat16)
-  k = jax.ShapeDtypeStruct((2, 300, kh, h), jnp.bfloat16)
-  v = jax.ShapeDtypeStruct((2, 300, kh, vd), jnp.bfloat16)
+  q = jax.ShapeDtypeStruct((2, 200, n, h), dtype)
+  k = jax.ShapeDtypeStruct((2, 300, kh, h), dtype)
+  v = jax.ShapeDtypeStruct((2, 300, kh, vd), dtype)
   delta = jax.ShapeDtypeStruct((n, h), jnp.float32)
 
   def loss(q, k, v, delta):
@@ -63,3 +63,10 @@ def test_gpu_paths_lower_for_cuda(gpu_paths, h, vd, n, kh, change):
   # Only the overlapped schedules await a wgmma group with one left in flight.
   blocks = dataclasses.replace(default_block_sizes(h), **change)
   assert ("wgmma.wait_group.sync.aligned 1" in text) == (blocks.overlap or blocks.overlap_bwd)
+
+
+def test_float16_lowers_for_cuda(gpu_paths):
+  # fp16 takes the dq kernel's epilogue without the query map's VJP (`_query_vjp_in_kernel`).
+  text = _lowered_text(64, 64, 2, 2, {}, dtype=jnp.float16)
+  for name in KERNELS:
+    assert name in text, name

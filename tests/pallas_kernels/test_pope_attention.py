@@ -162,6 +162,24 @@ def test_small_magnitudes():
     assert np.abs(x - y).max() < TOL * np.abs(y).max(), name
 
 
+def test_float16_phase_gradient_small_magnitudes():
+  # fp16 raw q, k in [-9, -6]: each angle's gradient dφ ∝ da·a is far below fp16's normal range,
+  # so the query map's VJP runs in XLA in float32 for fp16 (`_query_vjp_in_kernel`); stored per
+  # element in fp16 (the bf16 path's epilogue), δ's gradient was 13 % off here. Against the
+  # float32 reference (dq and dk themselves are fp16, underflowing at this scale: not checked).
+  q, k, v, delta, cot = _problem((1, 2, 1, 64), 128, 128, seed=3)
+  ks = jax.random.split(jax.random.key(3), 2)
+  q, k = (jax.random.uniform(key, x.shape, jnp.float32, -9.0, -6.0) for key, x in zip(ks, (q, k)))
+  with plgpu.force_gpu_interpret_mode():
+    got = _value_and_grads("pallas", q.astype(jnp.float16), k.astype(jnp.float16),
+                           v.astype(jnp.float16), delta, cot, is_causal=True)
+  want = _value_and_grads("xla", q.astype(jnp.float16).astype(jnp.float32),
+                          k.astype(jnp.float16).astype(jnp.float32), v.astype(jnp.float32),
+                          delta, cot, is_causal=True)
+  err = np.abs(np.asarray(got[4]) - np.asarray(want[4])).max()
+  assert err < 5e-3 * np.abs(np.asarray(want[4])).max(), err
+
+
 def test_visit_table_skips_only_invisible_blocks():
   q_pos = jnp.arange(256, dtype=jnp.float32)[None] + 128  # bottom-right aligned, T=256, S=384
   k_pos = jnp.arange(384, dtype=jnp.float32)[None]
