@@ -128,6 +128,7 @@ def _rope_cudnn(q, k, v, delta):
   return jax.nn.dot_product_attention(qr, kr, v, is_causal=True, implementation="cudnn")
 
 
+@functools.cache  # One jitted gradient per function: a second call reuses its compilation.
 def _fwd_bwd(fn):
   def loss(q, k, v, delta):
     return fn(q, k, v, delta).astype(jnp.float32).sum()
