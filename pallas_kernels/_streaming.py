@@ -98,41 +98,62 @@ def compute_loops(ranges, carry, step):
   return carry
 
 
-def stream(u_lo, u_hi, stages: int, consumed, issue):
-  """Memory warpgroup: issue(s, slot) for s in [u_lo, u_hi), reusing a slot once consumed."""
-  for i in range(stages):
-    @pl.when(u_lo + i < u_hi)
-    def _prologue():
-      issue(u_lo + i, i)
+def stream(u_lo, u_hi, base, stages: int, consumed, issue):
+  """Memory warpgroup, one resident tile: issue(s, slot) for s in [u_lo, u_hi).
 
+  The slots form one ring over all the tiles a CTA visits (`for_each_item`): step s is the
+  ring's step n = base + s - u_lo and goes to slot n % stages once the compute warpgroups
+  released that slot's previous step (n - stages), so the next tile's first copies are in
+  flight while the compute warpgroups finish this one. Returns the ring's next step,
+  base + u_hi - u_lo; `drain` ends the ring."""
   def body(s, _):
-    slot = lax.rem(s - u_lo, stages)
-    with jax.named_scope("wait_release"):
-      plgpu.barrier_wait(consumed.at[slot])
+    n = base + s - u_lo
+    slot = lax.rem(n, stages)
+
+    @pl.when(n >= stages)
+    def _wait():
+      with jax.named_scope("wait_release"):
+        plgpu.barrier_wait(consumed.at[slot])
+
     issue(s, slot)
     return None
 
-  lax.fori_loop(u_lo + stages, u_hi, body, None)
+  lax.fori_loop(u_lo, u_hi, body, None)
+  return base + u_hi - u_lo
 
-  def drain(s, _):  # Wait for the last steps' release so every barrier phase is observed.
-    plgpu.barrier_wait(consumed.at[lax.rem(s - u_lo, stages)])
+
+def drain(steps, stages: int, consumed) -> None:
+  """Memory warpgroup, after its last tile: waits for the release of the ring's last steps (of
+  `steps` in all), so every barrier phase is observed."""
+  def wait(n, _):
+    plgpu.barrier_wait(consumed.at[lax.rem(n, stages)])
     return None
 
-  lax.fori_loop(jnp.maximum(u_lo, u_hi - stages), u_hi, drain, None)
+  lax.fori_loop(jnp.maximum(steps - stages, 0), steps, wait, None)
 
 
-def memory_warpgroup(visit, stages: int, consumed, ready, copies):
-  """The TMA warpgroup of every kernel here: for each step s of the tile's visit range
-  `visit` = (u_lo, u_hi), copies each (gmem source, smem buffers) of `copies(s)` into the
-  step's slot, reusing a slot once the compute warpgroups released it. All copies of a slot
-  signal its `ready` barrier (`ready_barrier`), so a step waits once."""
+def memory_warpgroup(for_items, stages: int, consumed, ready, visit, copies):
+  """The TMA warpgroup of every kernel here. For each of the CTA's resident tiles and each
+  step s of the tile's visit range (u_lo, u_hi) = `visit(item)`, copies each (gmem source,
+  smem buffers) of `copies(item, s)` into the step's slot of one ring (`stream`), reusing a
+  slot once the compute warpgroups released it. All copies of a slot signal its `ready` barrier
+  (`ready_barrier`), so a step waits once.
+
+  Args:
+    for_items: runs carry = body(item, carry) over the CTA's items (`for_each_item`).
+    stages: ring depth; consumed, ready: per-slot barriers.
+    visit: item -> (u_lo, u_hi) int32 scalars; copies: (item, s) -> [(gmem ref, smem buffers)].
+  """
   plgpu.set_max_registers(40, action="decrease")
 
-  def issue(s, slot):
-    for src, dst in copies(s):
-      plgpu.copy_gmem_to_smem(src, dst.at[slot], ready.at[slot])
+  def item_body(item, base):
+    def issue(s, slot):
+      for src, dst in copies(item, s):
+        plgpu.copy_gmem_to_smem(src, dst.at[slot], ready.at[slot])
 
-  stream(visit[0], visit[1], stages, consumed, issue)
+    return stream(*visit(item), base, stages, consumed, issue)
+
+  drain(for_items(item_body, jnp.int32(0)), stages, consumed)
 
 
 def smem_bytes(scratch) -> int:
@@ -175,15 +196,57 @@ def schedule_barrier(barrier) -> None:
     plgpu.barrier_wait(barrier)
 
 
-def longest_first(tile, n_tiles: int):
-  """Visits resident query tiles last-first. Under a causal mask the last tiles see the most
-  keys, so the longest CTAs start first and short ones fill the tail of the launch
-  (longest-processing-time-first order)."""
-  return n_tiles - 1 - tile
+def num_sms() -> int:
+  """Streaming multiprocessors of the first device (132 on the H200). The CPU interpreter gets
+  3, so that interpreted persistent launches loop over several tiles per CTA."""
+  if interpreted():
+    return 3
+  return getattr(jax.local_devices()[0], "core_count", 132)
 
 
-def slot_of(s, u_lo, stages: int):
-  return lax.rem(s - u_lo, stages)
+def item_grid(n_items: int, persistent: bool) -> int:
+  """CTAs of a launch over `n_items` resident tiles: with `persistent`, at most one per SM,
+  each looping over its share (`for_each_item`); else one per tile."""
+  return min(n_items, num_sms()) if persistent else n_items
+
+
+def cta_items(n_items: int, grid: int):
+  """This CTA's resident tiles: (item_of, count), item_of(j) its j-th item for j < count.
+
+  Round j of a launch of `grid` CTAs takes items [j·grid, (j + 1)·grid), dealt in snake order
+  (CTA c takes item j·grid + c in even rounds, (j + 1)·grid - 1 - c in odd ones): items are
+  numbered longest first (`item_coords`), so each CTA's sum of lengths stays within about one
+  item of the others'. With grid = n_items each CTA takes item c.
+  """
+  c = lax.axis_index("cta")
+  rounds = -(-n_items // grid)
+
+  def item_of(j):
+    return j * grid + jnp.where(lax.rem(j, 2) == 0, c, grid - 1 - c)
+
+  count = rounds - 1 + (item_of(rounds - 1) < n_items).astype(jnp.int32)
+  return item_of, count
+
+
+def for_each_item(n_items: int, grid: int):
+  """for_items(body, carry): carry = body(item, carry) over this CTA's items (`cta_items`)."""
+  item_of, count = cta_items(n_items, grid)
+  return lambda body, carry: lax.fori_loop(0, count, lambda j, c: body(item_of(j), c), carry)
+
+
+def item_coords(item, n_heads: int, n_tiles: int):
+  """(batch, head, rank) of a flat item index. Heads vary fastest, then the rank (0 = the
+  longest resident tile under a causal mask; the caller maps it to a tile), then the batch, so
+  one batch's keys and values stay in L2 while its tiles run."""
+  per_batch = n_heads * n_tiles
+  return lax.div(item, per_batch), lax.rem(item, n_heads), lax.rem(lax.div(item, n_heads),
+                                                                   n_tiles)
+
+
+def slot_of(s, origin, stages: int):
+  """The ring slot of step s of a resident tile whose first step u_lo is the ring's step
+  `base` (`stream`): origin = u_lo - base."""
+  return lax.rem(s - origin, stages)
 
 
 # Set, this environment variable turns on the Mosaic GPU profiler in every kernel compiled

@@ -92,77 +92,94 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
   group = n_heads // b.shape[2]
   bq, bk, stages = blocks.block_q_dq, blocks.block_kv_dq, blocks.stages
   dtype = a.dtype
+  n_tiles = t_len // (st.COMPUTE_WGS * bq)
+  n_items = bsz * n_heads * n_tiles
+  grid = st.item_grid(n_items, blocks.persistent)
 
   def pope_dq_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
                      tab_ref, dq_ref, a_smem, do_smem, lse_smem, delta_smem, qpos_smem, b_smem,
                      v_smem, kpos_smem, res_bar, ready, consumed):
-    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-    cta = st.longest_first(lax.axis_index("q_tiles"), t_len // (st.COMPUTE_WGS * bq))
     wg = lax.axis_index("wg")
+    for_items = st.for_each_item(n_items, grid)
+
+    def tile_of(item):
+      """(batch, head, resident tile) of an item; tiles run last (longest) first."""
+      batch, head, rank = st.item_coords(item, n_heads, n_tiles)
+      return batch, head, n_tiles - 1 - rank
 
     @pl.when(wg < st.COMPUTE_WGS)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
-      rows = pl.ds((cta * st.COMPUTE_WGS + wg) * bq, bq)
-      loads = ((a_ref.at[batch, rows, head], a_smem), (do_ref.at[batch, rows, head], do_smem),
-               (lse_ref.at[batch, head, rows], lse_smem),
-               (delta_ref.at[batch, head, rows], delta_smem),
-               (qpos_ref.at[batch, rows], qpos_smem))
-      for i, (src, dst) in enumerate(loads):
-        plgpu.copy_gmem_to_smem(src, dst.at[wg], res_bar.at[i * st.COMPUTE_WGS + wg])
-      for i in range(len(loads)):
-        plgpu.barrier_wait(res_bar.at[i * st.COMPUTE_WGS + wg])
-      lse = st.row_vector(lse_smem.at[wg], 0)
-      dlt = st.row_vector(delta_smem.at[wg], 0)
-      qpos = st.row_vector(qpos_smem.at[wg], 0)
-      ranges = st.read_ranges(tab_ref, batch, cta, wg)
-      u_lo = ranges[0]
 
-      def step(s, dq_acc, mode):
-        slot = st.slot_of(s, u_lo, stages)
-        plgpu.barrier_wait(ready.at[slot])
-        if mode == "skip":
+      def item_body(item, base):
+        batch, head, cta = tile_of(item)
+        rows = pl.ds((cta * st.COMPUTE_WGS + wg) * bq, bq)
+        loads = ((a_ref.at[batch, rows, head], a_smem), (do_ref.at[batch, rows, head], do_smem),
+                 (lse_ref.at[batch, head, rows], lse_smem),
+                 (delta_ref.at[batch, head, rows], delta_smem),
+                 (qpos_ref.at[batch, rows], qpos_smem))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's store read a's tile
+        for i, (src, dst) in enumerate(loads):
+          plgpu.copy_gmem_to_smem(src, dst.at[wg], res_bar.at[i * st.COMPUTE_WGS + wg])
+        for i in range(len(loads)):
+          plgpu.barrier_wait(res_bar.at[i * st.COMPUTE_WGS + wg])
+        lse = st.row_vector(lse_smem.at[wg], 0)
+        dlt = st.row_vector(delta_smem.at[wg], 0)
+        qpos = st.row_vector(qpos_smem.at[wg], 0)
+        ranges = st.read_ranges(tab_ref, batch, cta, wg)
+        origin = ranges[0] - base  # this item's first step is the ring's step `base`
+
+        def step(s, dq_acc, mode):
+          slot = st.slot_of(s, origin, stages)
+          plgpu.barrier_wait(ready.at[slot])
+          if mode == "skip":
+            plgpu.barrier_arrive(consumed.at[slot])
+            return dq_acc
+          def probs(s_blk):
+            if mode == "masked":
+              kpos = st.row_vector(kpos_smem.at[slot], 1)
+              visible = st.broadcast(kpos, (bq, bk), 1) <= st.broadcast(qpos, (bq, bk), 0)
+              s_blk = jnp.where(visible, s_blk, st.NEG_INF)
+            return jnp.exp2(s_blk - st.broadcast(lse, (bq, bk), 0))
+
+          _, (dq_acc,) = st.gradient_step(
+              (a_smem.at[wg], b_smem.at[slot].transpose((1, 0)), (bq, bk)),
+              (do_smem.at[wg], v_smem.at[slot].transpose((1, 0)), (bq, bk)),
+              probs, lambda p, dp: p * (dp - st.broadcast(dlt, (bq, bk), 0)),
+              (), ((dq_acc, b_smem.at[slot]),), dtype, overlap=blocks.overlap_bwd)
           plgpu.barrier_arrive(consumed.at[slot])
           return dq_acc
-        def probs(s_blk):
-          if mode == "masked":
-            kpos = st.row_vector(kpos_smem.at[slot], 1)
-            visible = st.broadcast(kpos, (bq, bk), 1) <= st.broadcast(qpos, (bq, bk), 0)
-            s_blk = jnp.where(visible, s_blk, st.NEG_INF)
-          return jnp.exp2(s_blk - st.broadcast(lse, (bq, bk), 0))
 
-        _, (dq_acc,) = st.gradient_step(
-            (a_smem.at[wg], b_smem.at[slot].transpose((1, 0)), (bq, bk)),
-            (do_smem.at[wg], v_smem.at[slot].transpose((1, 0)), (bq, bk)),
-            probs, lambda p, dp: p * (dp - st.broadcast(dlt, (bq, bk), 0)),
-            (), ((dq_acc, b_smem.at[slot]),), dtype, overlap=blocks.overlap_bwd)
-        plgpu.barrier_arrive(consumed.at[slot])
-        return dq_acc
+        dq_acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
+        dq_acc = st.compute_loops(ranges, dq_acc, step)
+        if magnitude_scale is None:
+          a_smem.at[wg][...] = (dq_acc * _LN2).astype(dtype)
+        else:
+          dq, d_angle = cartesian_vjp(plgpu.load(a_smem.at[wg], layout=plgpu.Layout.WGMMA),
+                                      dq_acc * _LN2, magnitude_scale)
+          a_smem.at[wg][...] = plgpu.layout_cast(jnp.concatenate(
+              [dq.astype(dtype), d_angle.astype(dtype)], axis=1), plgpu.Layout.WGMMA)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(a_smem.at[wg], dq_ref.at[batch, rows, head])
+        return base + ranges[1] - ranges[0]
 
-      dq_acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
-      dq_acc = st.compute_loops(ranges, dq_acc, step)
-      if magnitude_scale is None:
-        a_smem.at[wg][...] = (dq_acc * _LN2).astype(dtype)
-      else:
-        dq, d_angle = cartesian_vjp(plgpu.load(a_smem.at[wg], layout=plgpu.Layout.WGMMA),
-                                    dq_acc * _LN2, magnitude_scale)
-        a_smem.at[wg][...] = plgpu.layout_cast(jnp.concatenate(
-            [dq.astype(dtype), d_angle.astype(dtype)], axis=1), plgpu.Layout.WGMMA)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(a_smem.at[wg], dq_ref.at[batch, rows, head])
+      for_items(item_body, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == st.COMPUTE_WGS)
     def _memory():
-      kv_head = lax.div(head, jnp.int32(group))
+      def visit(item):
+        batch, _, cta = tile_of(item)
+        return tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]
 
-      def copies(s):
+      def copies(item, s):
+        batch, head, _ = tile_of(item)
+        kv_head = lax.div(head, jnp.int32(group))
         cols = pl.ds(s * bk, bk)
         return ((b_ref.at[batch, cols, kv_head], b_smem), (v_ref.at[batch, cols, kv_head], v_smem),
                 (kpos_ref.at[batch, cols], kpos_smem))
 
-      st.memory_warpgroup((tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]), stages, consumed,
-                          ready, copies)
+      st.memory_warpgroup(for_items, stages, consumed, ready, visit, copies)
 
   tf = st.tile_transforms()
   wgs = st.COMPUTE_WGS
@@ -185,8 +202,8 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
       pope_dq_kernel,
       out_type=jax.ShapeDtypeStruct(a.shape, dtype),
       scratch_types=scratch,
-      grid=(n_heads, t_len // (wgs * bq), bsz),
-      grid_names=("heads", "q_tiles", "batch"),
+      grid=(grid,),
+      grid_names=("cta",),
       num_threads=wgs + 1,
       thread_name="wg",
       compiler_params=st.compiler_params(),
@@ -236,6 +253,9 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks, outputs):
   bk, bq, stages = blocks.block_kv_dkv, blocks.block_q_dkv, blocks.stages
   dtype = a.dtype
   wgs = st.COMPUTE_WGS
+  n_tiles = s_len // (wgs * bk)
+  n_items = bsz * n_heads * n_tiles
+  grid = st.item_grid(n_items, blocks.persistent)
   # Operands loaded per compute warpgroup (resident) and per stage (streamed); dv alone needs
   # neither v nor Δ (v's SMEM tile is still allocated: it stages dv for the store).
   resident = ("b", "kpos") + (("v",) if want_dk else ())
@@ -268,85 +288,100 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks, outputs):
 
   def pope_dkv_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
                       tab_ref, out_refs, smem, str_smem, res_bar, ready, consumed):
-    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-    # Key tile 0 sees the most queries under a causal mask: the natural order is longest-first.
-    cta, wg = lax.axis_index("k_tiles"), lax.axis_index("wg")
-    kv_head = lax.div(head, jnp.int32(group))
+    wg = lax.axis_index("wg")
+    for_items = st.for_each_item(n_items, grid)
+
+    def tile_of(item):
+      """(batch, head, kv head, resident tile) of an item. Key tile 0 sees the most queries
+      under a causal mask: the rank order is longest-first as it is."""
+      batch, head, rank = st.item_coords(item, n_heads, n_tiles)
+      return batch, head, lax.div(head, jnp.int32(group)), rank
 
     @pl.when(wg < wgs)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
-      cols = pl.ds((cta * wgs + wg) * bk, bk)
-      src = {"b": b_ref.at[batch, cols, kv_head], "v": v_ref.at[batch, cols, kv_head],
-             "kpos": kpos_ref.at[batch, cols]}
-      for i, name in enumerate(resident):
-        plgpu.copy_gmem_to_smem(src[name], smem[name].at[wg], res_bar.at[i * wgs + wg])
-      for i in range(len(resident)):
-        plgpu.barrier_wait(res_bar.at[i * wgs + wg])
-      b_smem = smem["b"]
-      kpos = st.row_vector(smem["kpos"].at[wg], 0)
-      ranges = st.read_ranges(tab_ref, batch, cta, wg)
-      u_lo = ranges[0]
 
-      def step(s, accs, mode):
-        slot = st.slot_of(s, u_lo, stages)
-        plgpu.barrier_wait(ready.at[slot])
-        if mode == "skip":
+      def item_body(item, base):
+        batch, head, kv_head, cta = tile_of(item)
+        cols = pl.ds((cta * wgs + wg) * bk, bk)
+        src = {"b": b_ref.at[batch, cols, kv_head], "v": v_ref.at[batch, cols, kv_head],
+               "kpos": kpos_ref.at[batch, cols]}
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores read v's
+        for i, name in enumerate(resident):             # (or dk's) tile
+          plgpu.copy_gmem_to_smem(src[name], smem[name].at[wg], res_bar.at[i * wgs + wg])
+        for i in range(len(resident)):
+          plgpu.barrier_wait(res_bar.at[i * wgs + wg])
+        b_smem = smem["b"]
+        kpos = st.row_vector(smem["kpos"].at[wg], 0)
+        ranges = st.read_ranges(tab_ref, batch, cta, wg)
+        origin = ranges[0] - base  # this item's first step is the ring's step `base`
+
+        def step(s, accs, mode):
+          slot = st.slot_of(s, origin, stages)
+          plgpu.barrier_wait(ready.at[slot])
+          if mode == "skip":
+            plgpu.barrier_arrive(consumed.at[slot])
+            return accs
+          accs = dict(zip(outputs, accs))
+          a_smem, do_smem = str_smem["a"], str_smem["do"]
+
+          def probs(s_t):
+            if mode == "masked":
+              qpos = st.row_vector(str_smem["qpos"].at[slot], 1)
+              visible = st.broadcast(kpos, (bk, bq), 0) <= st.broadcast(qpos, (bk, bq), 1)
+              s_t = jnp.where(visible, s_t, st.NEG_INF)
+            lse = st.row_vector(str_smem["lse"].at[slot], 1)
+            return jnp.exp2(s_t - st.broadcast(lse, (bk, bq), 1))
+
+          def ds_of(p_t, dp_t):
+            dlt = st.row_vector(str_smem["delta"].at[slot], 1)
+            return p_t * (dp_t - st.broadcast(dlt, (bk, bq), 1))
+
+          p_terms = ((accs["dv"], do_smem.at[slot]),) if want_dv else ()
+          ds_terms = ((accs["dk"], a_smem.at[slot]),) if want_dk else ()
+          p_accs, ds_accs = st.gradient_step(
+              (b_smem.at[wg], a_smem.at[slot].transpose((1, 0)), (bk, bq)),
+              (smem["v"].at[wg], do_smem.at[slot].transpose((1, 0)), (bk, bq)),
+              probs, ds_of, p_terms, ds_terms, dtype, overlap=blocks.overlap_bwd)
+          accs.update(zip(("dv",) * want_dv + ("dk",) * want_dk, p_accs + ds_accs))
           plgpu.barrier_arrive(consumed.at[slot])
-          return accs
-        accs = dict(zip(outputs, accs))
-        a_smem, do_smem = str_smem["a"], str_smem["do"]
+          return tuple(accs[o] for o in outputs)
 
-        def probs(s_t):
-          if mode == "masked":
-            qpos = st.row_vector(str_smem["qpos"].at[slot], 1)
-            visible = st.broadcast(kpos, (bk, bq), 0) <= st.broadcast(qpos, (bk, bq), 1)
-            s_t = jnp.where(visible, s_t, st.NEG_INF)
-          lse = st.row_vector(str_smem["lse"].at[slot], 1)
-          return jnp.exp2(s_t - st.broadcast(lse, (bk, bq), 1))
+        widths = {"dk": d, "dv": vd}  # The dk accumulator holds db (D wide).
+        accs = tuple(plgpu.layout_cast(jnp.zeros((bk, widths[o]), jnp.float32),
+                                       plgpu.Layout.WGMMA) for o in outputs)
+        accs = dict(zip(outputs, st.compute_loops(ranges, accs, step)))
+        # v's resident tile is free now: it stages dv (and dk, see dk_in_v) for the TMA stores.
+        if want_dk:  # db through the key map's VJP (s = 1): the raw keys' gradient.
+          accs["dk"], _ = cartesian_vjp(plgpu.load(b_smem.at[wg], layout=plgpu.Layout.WGMMA),
+                                        accs["dk"] * _LN2, 1.0)
+        stage = {"dk": smem["v"] if dk_in_v else smem.get("dk"), "dv": smem["v"]}
+        for i, o in enumerate(outputs):
+          if i and dk_in_v:  # The previous output's store must have read the shared tile.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          stage[o].at[wg][...] = accs[o].astype(dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(stage[o].at[wg], out_refs[o].at[batch, cols, head])
+        return base + ranges[1] - ranges[0]
 
-        def ds_of(p_t, dp_t):
-          dlt = st.row_vector(str_smem["delta"].at[slot], 1)
-          return p_t * (dp_t - st.broadcast(dlt, (bk, bq), 1))
-
-        p_terms = ((accs["dv"], do_smem.at[slot]),) if want_dv else ()
-        ds_terms = ((accs["dk"], a_smem.at[slot]),) if want_dk else ()
-        p_accs, ds_accs = st.gradient_step(
-            (b_smem.at[wg], a_smem.at[slot].transpose((1, 0)), (bk, bq)),
-            (smem["v"].at[wg], do_smem.at[slot].transpose((1, 0)), (bk, bq)),
-            probs, ds_of, p_terms, ds_terms, dtype, overlap=blocks.overlap_bwd)
-        accs.update(zip(("dv",) * want_dv + ("dk",) * want_dk, p_accs + ds_accs))
-        plgpu.barrier_arrive(consumed.at[slot])
-        return tuple(accs[o] for o in outputs)
-
-      widths = {"dk": d, "dv": vd}  # The dk accumulator holds db (D wide).
-      accs = tuple(plgpu.layout_cast(jnp.zeros((bk, widths[o]), jnp.float32),
-                                     plgpu.Layout.WGMMA) for o in outputs)
-      accs = dict(zip(outputs, st.compute_loops(ranges, accs, step)))
-      # v's resident tile is free now: it stages dv (and dk, see dk_in_v) for the TMA stores.
-      if want_dk:  # db through the key map's VJP (s = 1): the raw keys' gradient.
-        accs["dk"], _ = cartesian_vjp(plgpu.load(b_smem.at[wg], layout=plgpu.Layout.WGMMA),
-                                      accs["dk"] * _LN2, 1.0)
-      stage = {"dk": smem["v"] if dk_in_v else smem.get("dk"), "dv": smem["v"]}
-      for i, o in enumerate(outputs):
-        if i and dk_in_v:  # The previous output's store must have read the shared tile.
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        stage[o].at[wg][...] = accs[o].astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(stage[o].at[wg], out_refs[o].at[batch, cols, head])
+      for_items(item_body, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == wgs)
     def _memory():
-      def copies(s):
+      def visit(item):
+        batch, _, _, cta = tile_of(item)
+        return tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]
+
+      def copies(item, s):
+        batch, head, _, _ = tile_of(item)
         rows = pl.ds(s * bq, bq)
         src = {"a": a_ref.at[batch, rows, head], "do": do_ref.at[batch, rows, head],
                "lse": lse_ref.at[batch, head, rows], "delta": delta_ref.at[batch, head, rows],
                "qpos": qpos_ref.at[batch, rows]}
         return tuple((src[n], str_smem[n]) for n in streamed)
 
-      st.memory_warpgroup((tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]), stages, consumed,
-                          ready, copies)
+      st.memory_warpgroup(for_items, stages, consumed, ready, visit, copies)
 
   st.check_smem(scratch, "dk/dv", f"lower BlockSizes.stages ({stages}), block_kv_dkv ({bk}) or "
                 f"block_q_dkv ({bq})")
@@ -355,8 +390,8 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks, outputs):
       pope_dkv_kernel,
       out_type={o: jax.ShapeDtypeStruct(shapes[o], dtype) for o in outputs},
       scratch_types=scratch,
-      grid=(n_heads, s_len // (wgs * bk), bsz),
-      grid_names=("heads", "k_tiles", "batch"),
+      grid=(grid,),
+      grid_names=("cta",),
       num_threads=wgs + 1,
       thread_name="wg",
       compiler_params=st.compiler_params(),

@@ -56,6 +56,12 @@ class BlockSizes:
       spills 1,072 bytes in dk/dv and 48 in dq. `default_block_sizes` turns it on at head dim
       128, where it spills more (dq 236 -> 376 bytes, dk/dv 244 -> 380) and still runs
       0.5-1.1 % faster (docs/results, run 14).
+    persistent: launch at most one CTA per SM, each looping over its share of the resident
+      tiles (`_streaming.for_each_item`), instead of one CTA per tile: the memory warpgroup
+      streams the next tile's first keys (or queries) while the compute warpgroups finish a
+      tile, and the forward loads the next query tile while it runs this one (the query tile
+      then has its own SMEM buffer; with one CTA per tile it is staged in the output tile's
+      when V = H).
     split_dkv: compute the key-side gradients dk and dv in two launches rather than one
       (`pope_attention_dkv`): the dv launch repeats a bᵀ and the pass over the queries, but at
       head dim 128, where one launch's float32 accumulators (db, D wide, and dv) spill, two
@@ -74,6 +80,7 @@ class BlockSizes:
   a_in_registers: bool = True
   overlap_bwd: bool = False
   split_dkv: bool = False
+  persistent: bool = True
 
   def __post_init__(self):
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",
@@ -81,7 +88,8 @@ class BlockSizes:
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"BlockSizes.{field} must be an int, got {value!r}")
-    for field in ("ping_pong", "overlap", "a_in_registers", "overlap_bwd", "split_dkv"):
+    for field in ("ping_pong", "overlap", "a_in_registers", "overlap_bwd", "split_dkv",
+                  "persistent"):
       if not isinstance(getattr(self, field), bool):
         raise TypeError(f"BlockSizes.{field} must be a bool, got {getattr(self, field)!r}")
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",

@@ -62,17 +62,18 @@ def cartesian_halves(x, pos, freq, phase, magnitude_scale: float, dtype):
   return (mag * jnp.cos(ang)).astype(dtype), (mag * jnp.sin(ang)).astype(dtype)
 
 
-def _q_in_o(h: int, vd: int) -> bool:
-  # The query tile is staged in the output tile's SMEM when the two have one width (the output
-  # is written only after the last step; a persistent kernel would have to order the next
-  # tile's query copy after this store): at H = 128 a separate buffer would not fit.
-  return h == vd
+def _q_in_o(blocks: BlockSizes, h: int, vd: int) -> bool:
+  # Without `persistent`, the query tile is staged in the output tile's SMEM when the two have
+  # one width (the output is written only after the last step), which leaves room for a third
+  # stage at H = 128. A persistent CTA loads the next item's queries while it runs this one, so
+  # they get their own buffer.
+  return h == vd and not blocks.persistent
 
 
 def _a_in_smem(blocks: BlockSizes, h: int, vd: int, save_a: bool) -> bool:
   # The Cartesian query tile a has its own SMEM tile when it is QKᵀ's SMEM operand, or when it
   # is saved and cannot pass through the output tile's (2 halves of width H = V).
-  return not blocks.a_in_registers or (save_a and not _q_in_o(h, vd))
+  return not blocks.a_in_registers or (save_a and h != vd)
 
 
 def _scratch(blocks: BlockSizes, stages: int, h: int, vd: int, dtype, save_a: bool) -> list:
@@ -96,7 +97,7 @@ def _scratch(blocks: BlockSizes, stages: int, h: int, vd: int, dtype, save_a: bo
       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
       plgpu.Barrier(num_arrivals=wgs),
   ]
-  if not _q_in_o(h, vd):
+  if not _q_in_o(blocks, h, vd):
     scratch.append(plgpu.SMEM((wgs, bq, h), dtype, transforms=st.tile_transforms(h)))
   return scratch
 
@@ -146,8 +147,10 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
   dtype = q.dtype
   stages = forward_stages(blocks, h, vd, dtype, save_a)
   bq, bk = blocks.block_q, blocks.block_kv
-  n_ctas = t_len // (st.COMPUTE_WGS * bq)
-  q_in_o, a_in_smem = _q_in_o(h, vd), _a_in_smem(blocks, h, vd, save_a)
+  n_tiles = t_len // (st.COMPUTE_WGS * bq)
+  n_items = bsz * n_heads * n_tiles
+  grid = st.item_grid(n_items, blocks.persistent)
+  q_in_o, a_in_smem = _q_in_o(blocks, h, vd), _a_in_smem(blocks, h, vd, save_a)
 
   # The CPU interpreter runs each warpgroup as its own XLA:CPU execution, and on a 2-core machine
   # not all of them start at once. Two ways this can hang there, both seen under jit:
@@ -171,184 +174,215 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
     (o_smem, qpos_smem, lse_smem, rot_smem, qang_smem, b_smem, v_smem, kpos_smem,
      q_bar, qpos_bar, ready, consumed, schedule, *q_smem) = rest
     q_smem = o_smem if q_in_o else q_smem[0]
-    batch = lax.axis_index("batch")
-    head = lax.axis_index("heads")
-    cta = st.longest_first(lax.axis_index("q_tiles"), n_ctas)
     wg = lax.axis_index("wg")
     handshake = (lambda: st.schedule_barrier(schedule)) if ping_pong else None
+
+    def tile_of(item):
+      """(batch, head, resident tile) of an item; tiles run last (longest) first."""
+      batch, head, rank = st.item_coords(item, n_heads, n_tiles)
+      return batch, head, n_tiles - 1 - rank
 
     @pl.when(wg < st.COMPUTE_WGS)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
-      t0 = (cta * st.COMPUTE_WGS + wg) * bq
-      rows = pl.ds(t0, bq)
-      plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[wg], q_bar.at[wg])
-      plgpu.copy_gmem_to_smem(rot_ref.at[head], rot_smem.at[wg], q_bar.at[wg])
-      plgpu.copy_gmem_to_smem(qang_ref.at[batch, rows], qang_smem.at[wg], q_bar.at[wg])
-      plgpu.copy_gmem_to_smem(qpos_ref.at[batch, rows], qpos_smem.at[wg], qpos_bar.at[wg])
-      with jax.named_scope("wait_q"):
-        plgpu.barrier_wait(q_bar.at[wg])
-      with jax.named_scope("query_map"):
-        halves = cartesian_halves(
-            plgpu.load(q_smem.at[wg], layout=plgpu.Layout.WGMMA),
-            st.row_vector(qang_smem.at[wg], 0), st.row_vector(rot_smem.at[wg, 0], 1),
-            st.row_vector(rot_smem.at[wg, 1], 1), magnitude_scale, dtype)
-        a = plgpu.layout_cast(jnp.concatenate(halves, axis=1), plgpu.Layout.WGMMA)
-        if a_smem is not None:
-          a_smem.at[wg][...] = a
-          plgpu.commit_smem()
-      if save_a and a_smem is not None:
-        plgpu.copy_smem_to_gmem(a_smem.at[wg], a_ref.at[batch, rows, head])
-      elif save_a:  # Each half through the output tile's SMEM (free until the final store,
-        # which waits for the second half's copy to have read it).
-        for i, half in enumerate(halves):
-          if i:
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          o_smem.at[wg][...] = half
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(o_smem.at[wg], a_ref.at[batch, rows, head, pl.ds(i * h, h)])
-      # QKᵀ's left operand: a in registers (only b is then read from SMEM) or a's SMEM tile.
-      a_lhs = a if blocks.a_in_registers else a_smem.at[wg]
-      plgpu.barrier_wait(qpos_bar.at[wg])
-      qpos = st.row_vector(qpos_smem.at[wg], 0)
-      ranges = st.read_ranges(tab_ref, batch, cta, wg)
-      u_lo = ranges[0]
+      item_of, count = st.cta_items(n_items, grid)
 
-      @jax.named_scope("wait_kv")
-      def wait_step(s):
-        slot = st.slot_of(s, u_lo, stages)
-        plgpu.barrier_wait(ready.at[slot])
-        return slot
+      def load_queries(item):
+        """Issues the copies of this warpgroup's query rows of an item: raw queries, the
+        angles' positions and θ, -δ (to q_bar), and the masking positions (to qpos_bar)."""
+        batch, head, tile = tile_of(item)
+        rows = pl.ds((tile * st.COMPUTE_WGS + wg) * bq, bq)
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[wg], q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(rot_ref.at[head], rot_smem.at[wg], q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(qang_ref.at[batch, rows], qang_smem.at[wg], q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(qpos_ref.at[batch, rows], qpos_smem.at[wg], qpos_bar.at[wg])
 
-      def scores(slot):
-        return a_lhs, b_smem.at[slot].transpose((1, 0)), (bq, bk)
-
-      @jax.named_scope("softmax")
-      def softmax(s_blk, m_i, l_i, slot, mode, cast=True):
-        """Online softmax of one score tile: (m, l, P, alpha), alpha = the factor of the old
-        acc; P in q's dtype if `cast`, else float32."""
-        if mode == "masked":
-          kpos = st.row_vector(kpos_smem.at[slot], 1)
-          visible = st.broadcast(kpos, (bq, bk), 1) <= st.broadcast(qpos, (bq, bk), 0)
-          s_blk = jnp.where(visible, s_blk, st.NEG_INF)
-        m_new = jnp.maximum(m_i, s_blk.max(axis=1))
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(s_blk - st.broadcast(m_new, (bq, bk), 0))
-        l_i = l_i * alpha + p.sum(axis=1)
-        if cast:
-          p = p.astype(dtype)
-        return m_new, l_i, p, alpha
-
-      def hand_over(*values):
-        """Under ping-pong: finish computing `values`, then the handshake that hands the tensor
-        cores to the other warpgroup. As compiled, ptxas still moves the handshake's arrive (it
-        depends on no register) to the start of the softmax; only its wait stays here
-        (docs/results/attention_kernel.md, run 12)."""
-        if not ping_pong:
-          return values
-        values = lax.optimization_barrier(values)
-        handshake()
-        return values
-
-      def rescale(acc, alpha):
-        return acc * st.broadcast(alpha, (bq, vd), 0)
-
+      if not q_in_o:
+        load_queries(item_of(0))
       # Each step makes two handshakes (after issuing its matmuls, after the softmax; the
       # overlapped schedule's `last` makes none); warpgroup 1 makes one before its first step and
-      # warpgroup 0 one after its last, so they alternate.
-      def skip(s, carry):
-        plgpu.barrier_arrive(consumed.at[wait_step(s)])
-        if ping_pong:
-          handshake()
-          handshake()
-        return carry
-
-      def step(s, carry, mode):
-        """One step as written: QKᵀ, softmax, then PV, each awaited."""
-        if mode == "skip":
-          return skip(s, carry)
-        acc, m_i, l_i = carry
-        slot = wait_step(s)
-        with jax.named_scope("qk"):
-          s_blk = st.matmul(*scores(slot), then=handshake)
-        m_i, l_i, p, alpha = softmax(s_blk, m_i, l_i, slot, mode)
-        acc, m_i, l_i, p = hand_over(rescale(acc, alpha), m_i, l_i, p)
-        with jax.named_scope("pv"):
-          acc = st.matmul_acc(acc, p, v_smem.at[slot])
-        plgpu.barrier_arrive(consumed.at[slot])
-        return acc, m_i, l_i
-
-      # The overlapped schedule (FlashAttention-3 §3.2): step s issues QKᵀ of s with PV of
-      # s - 1, whose P it carries, and runs the softmax of s while PV runs; so a slot is released
-      # one step later, after its PV. P is cast to q's dtype only after PV is awaited: ptxas
-      # serialises the wgmmas when a wgmma operand register is written while one is in flight.
-      def first(s, carry):
-        acc, m_i, l_i, _ = carry
-        slot = wait_step(s)
-        with jax.named_scope("qk"):
-          s_blk = st.matmul(*scores(slot), then=handshake)
-        m_i, l_i, p, _ = softmax(s_blk, m_i, l_i, slot, "masked")
-        m_i, l_i, p = hand_over(m_i, l_i, p)
-        return acc, m_i, l_i, p
-
-      def step_overlapped(s, carry, mode):
-        acc, m_i, l_i, p_prev = carry
-        slot, prev = wait_step(s), st.slot_of(s - 1, u_lo, stages)
-        with jax.named_scope("qk_pv"):
-          (m_i, l_i, p, alpha), acc = st.matmul_overlapped(
-              *scores(slot), acc, p_prev, v_smem.at[prev],
-              lambda s_blk: hand_over(*softmax(s_blk, m_i, l_i, slot, mode, cast=False)),
-              then=handshake)
-        plgpu.barrier_arrive(consumed.at[prev])
-        return rescale(acc, alpha), m_i, l_i, p.astype(dtype)
-
-      def last(s, carry):
-        acc, m_i, l_i, p = carry
-        slot = st.slot_of(s, u_lo, stages)
-        with jax.named_scope("pv"):
-          acc = st.matmul_acc(acc, p, v_smem.at[slot])
-        plgpu.barrier_arrive(consumed.at[slot])
-        return acc, m_i, l_i, p
-
-      acc = plgpu.layout_cast(jnp.zeros((bq, vd), jnp.float32), plgpu.Layout.WGMMA)
-      m_i = plgpu.layout_cast(jnp.full((bq,), st.M_INIT, jnp.float32),
-                              plgpu.Layout.WGMMA.reduce(1))
-      l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+      # warpgroup 0 one after its last, so they alternate, also across a CTA's items.
       if ping_pong:
         pl.when(wg == 1)(handshake)
-      if blocks.overlap:
-        p = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
-        acc, m_i, l_i, _ = st.compute_loops_overlapped(
-            ranges, (acc, m_i, l_i, p), skip, first, step_overlapped, last)
-      else:
-        acc, m_i, l_i = st.compute_loops(ranges, (acc, m_i, l_i), step)
+
+      def item_body(j, base):
+        item = item_of(j)
+        batch, head, cta = tile_of(item)
+        rows = pl.ds((cta * st.COMPUTE_WGS + wg) * bq, bq)
+        if q_in_o:  # The previous item's output store must have read the tile first.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          load_queries(item)
+        with jax.named_scope("wait_q"):
+          plgpu.barrier_wait(q_bar.at[wg])
+        with jax.named_scope("query_map"):
+          halves = cartesian_halves(
+              plgpu.load(q_smem.at[wg], layout=plgpu.Layout.WGMMA),
+              st.row_vector(qang_smem.at[wg], 0), st.row_vector(rot_smem.at[wg, 0], 1),
+              st.row_vector(rot_smem.at[wg, 1], 1), magnitude_scale, dtype)
+          a = plgpu.layout_cast(jnp.concatenate(halves, axis=1), plgpu.Layout.WGMMA)
+        plgpu.barrier_wait(qpos_bar.at[wg])
+        qpos = st.row_vector(qpos_smem.at[wg], 0)
+        if a_smem is not None:  # (after the previous item's store of a has read it)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          a_smem.at[wg][...] = a
+        if a_smem is not None or not q_in_o:
+          # Makes a visible to TMA and wgmma, and orders every thread's reads of the query
+          # buffers before the next item's copies into them.
+          plgpu.commit_smem()
+        if not q_in_o:
+          pl.when(j + 1 < count)(lambda: load_queries(item_of(j + 1)))
+        if save_a and a_smem is not None:
+          plgpu.copy_smem_to_gmem(a_smem.at[wg], a_ref.at[batch, rows, head])
+        elif save_a:  # Each half through the output tile's SMEM (free until the final store,
+          # which waits for the second half's copy to have read it).
+          for i, half in enumerate(halves):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_smem.at[wg][...] = half
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], a_ref.at[batch, rows, head, pl.ds(i * h, h)])
+        # QKᵀ's left operand: a in registers (only b is then read from SMEM) or a's SMEM tile.
+        a_lhs = a if blocks.a_in_registers else a_smem.at[wg]
+        ranges = st.read_ranges(tab_ref, batch, cta, wg)
+        origin = ranges[0] - base  # this item's first step is the ring's step `base`
+
+        @jax.named_scope("wait_kv")
+        def wait_step(s):
+          slot = st.slot_of(s, origin, stages)
+          plgpu.barrier_wait(ready.at[slot])
+          return slot
+
+        def scores(slot):
+          return a_lhs, b_smem.at[slot].transpose((1, 0)), (bq, bk)
+
+        @jax.named_scope("softmax")
+        def softmax(s_blk, m_i, l_i, slot, mode, cast=True):
+          """Online softmax of one score tile: (m, l, P, alpha), alpha = the factor of the old
+          acc; P in q's dtype if `cast`, else float32."""
+          if mode == "masked":
+            kpos = st.row_vector(kpos_smem.at[slot], 1)
+            visible = st.broadcast(kpos, (bq, bk), 1) <= st.broadcast(qpos, (bq, bk), 0)
+            s_blk = jnp.where(visible, s_blk, st.NEG_INF)
+          m_new = jnp.maximum(m_i, s_blk.max(axis=1))
+          alpha = jnp.exp2(m_i - m_new)
+          p = jnp.exp2(s_blk - st.broadcast(m_new, (bq, bk), 0))
+          l_i = l_i * alpha + p.sum(axis=1)
+          if cast:
+            p = p.astype(dtype)
+          return m_new, l_i, p, alpha
+
+        def hand_over(*values):
+          """Under ping-pong: finish computing `values`, then the handshake that hands the tensor
+          cores to the other warpgroup. As compiled, ptxas still moves the handshake's arrive (it
+          depends on no register) to the start of the softmax; only its wait stays here
+          (docs/results/attention_kernel.md, run 12)."""
+          if not ping_pong:
+            return values
+          values = lax.optimization_barrier(values)
+          handshake()
+          return values
+
+        def rescale(acc, alpha):
+          return acc * st.broadcast(alpha, (bq, vd), 0)
+
+        def skip(s, carry):
+          plgpu.barrier_arrive(consumed.at[wait_step(s)])
+          if ping_pong:
+            handshake()
+            handshake()
+          return carry
+
+        def step(s, carry, mode):
+          """One step as written: QKᵀ, softmax, then PV, each awaited."""
+          if mode == "skip":
+            return skip(s, carry)
+          acc, m_i, l_i = carry
+          slot = wait_step(s)
+          with jax.named_scope("qk"):
+            s_blk = st.matmul(*scores(slot), then=handshake)
+          m_i, l_i, p, alpha = softmax(s_blk, m_i, l_i, slot, mode)
+          acc, m_i, l_i, p = hand_over(rescale(acc, alpha), m_i, l_i, p)
+          with jax.named_scope("pv"):
+            acc = st.matmul_acc(acc, p, v_smem.at[slot])
+          plgpu.barrier_arrive(consumed.at[slot])
+          return acc, m_i, l_i
+
+        # The overlapped schedule (FlashAttention-3 §3.2): step s issues QKᵀ of s with PV of
+        # s - 1, whose P it carries, and runs the softmax of s while PV runs; so a slot is released
+        # one step later, after its PV. P is cast to q's dtype only after PV is awaited: ptxas
+        # serialises the wgmmas when a wgmma operand register is written while one is in flight.
+        def first(s, carry):
+          acc, m_i, l_i, _ = carry
+          slot = wait_step(s)
+          with jax.named_scope("qk"):
+            s_blk = st.matmul(*scores(slot), then=handshake)
+          m_i, l_i, p, _ = softmax(s_blk, m_i, l_i, slot, "masked")
+          m_i, l_i, p = hand_over(m_i, l_i, p)
+          return acc, m_i, l_i, p
+
+        def step_overlapped(s, carry, mode):
+          acc, m_i, l_i, p_prev = carry
+          slot, prev = wait_step(s), st.slot_of(s - 1, origin, stages)
+          with jax.named_scope("qk_pv"):
+            (m_i, l_i, p, alpha), acc = st.matmul_overlapped(
+                *scores(slot), acc, p_prev, v_smem.at[prev],
+                lambda s_blk: hand_over(*softmax(s_blk, m_i, l_i, slot, mode, cast=False)),
+                then=handshake)
+          plgpu.barrier_arrive(consumed.at[prev])
+          return rescale(acc, alpha), m_i, l_i, p.astype(dtype)
+
+        def last(s, carry):
+          acc, m_i, l_i, p = carry
+          slot = st.slot_of(s, origin, stages)
+          with jax.named_scope("pv"):
+            acc = st.matmul_acc(acc, p, v_smem.at[slot])
+          plgpu.barrier_arrive(consumed.at[slot])
+          return acc, m_i, l_i, p
+
+        acc = plgpu.layout_cast(jnp.zeros((bq, vd), jnp.float32), plgpu.Layout.WGMMA)
+        m_i = plgpu.layout_cast(jnp.full((bq,), st.M_INIT, jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        if blocks.overlap:
+          p = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
+          acc, m_i, l_i, _ = st.compute_loops_overlapped(
+              ranges, (acc, m_i, l_i, p), skip, first, step_overlapped, last)
+        else:
+          acc, m_i, l_i = st.compute_loops(ranges, (acc, m_i, l_i), step)
+
+        with jax.named_scope("store"):
+          # The copies of a (this item's) or of the output (the previous item's) must have
+          # read the tiles first.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          empty = l_i == 0.0
+          l_safe = jnp.where(empty, 1.0, l_i)
+          o_smem.at[wg][...] = (acc / st.broadcast(l_safe, (bq, vd), 0)).astype(dtype)
+          lse_smem.at[wg][...] = jnp.where(empty, 1e30,
+                                           m_i + jnp.log(l_safe) * (1 / math.log(2)))
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[batch, rows, head])
+          plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, rows])
+        return base + ranges[1] - ranges[0]
+
+      lax.fori_loop(0, count, item_body, jnp.int32(0))
       if ping_pong:
         pl.when(wg == 0)(handshake)
-
-      with jax.named_scope("store"):
-        if save_a and a_smem is None:
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        empty = l_i == 0.0
-        l_safe = jnp.where(empty, 1.0, l_i)
-        o_smem.at[wg][...] = (acc / st.broadcast(l_safe, (bq, vd), 0)).astype(dtype)
-        lse_smem.at[wg][...] = jnp.where(empty, 1e30,
-                                         m_i + jnp.log(l_safe) * (1 / math.log(2)))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[batch, rows, head])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, rows])
-        plgpu.wait_smem_to_gmem(0)
+      plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == st.COMPUTE_WGS)
     def _memory():
-      kv_head = lax.div(head, jnp.int32(group))
+      def visit(item):
+        batch, _, cta = tile_of(item)
+        return tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]
 
-      def copies(s):
+      def copies(item, s):
+        batch, head, _ = tile_of(item)
+        kv_head = lax.div(head, jnp.int32(group))
         cols = pl.ds(s * bk, bk)
         return ((b_ref.at[batch, cols, kv_head], b_smem), (v_ref.at[batch, cols, kv_head], v_smem),
                 (kpos_ref.at[batch, cols], kpos_smem))
 
-      st.memory_warpgroup((tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]), stages, consumed,
-                          ready, copies)
+      st.memory_warpgroup(st.for_each_item(n_items, grid), stages, consumed, ready, visit,
+                          copies)
 
   scratch = _scratch(blocks, stages, h, vd, dtype, save_a)
   st.check_smem(scratch, "forward", f"at {stages} stages (BlockSizes.stages_fwd="
@@ -363,8 +397,8 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
       pope_fwd_kernel,
       out_type=out_type,
       scratch_types=scratch,
-      grid=(n_heads, n_ctas, bsz),
-      grid_names=("heads", "q_tiles", "batch"),
+      grid=(grid,),
+      grid_names=("cta",),
       num_threads=st.COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=st.compiler_params(),

@@ -275,6 +275,41 @@ def test_dk_dv_in_one_or_two_launches(head_dim, split_dkv, a_in_registers):
   _assert_close((out, *grads), want)
 
 
+@pytest.mark.parametrize("head_dim, persistent, is_causal", [
+    (64, True, True), (64, False, True), (128, True, False)])
+def test_persistent_ctas_loop_over_tiles(head_dim, persistent, is_causal):
+  # Three query and key tiles per head, two heads: 6 tiles per kernel over the interpreter's 3
+  # persistent CTAs (`_streaming.num_sms`), dealt in snake order, so each CTA runs two tiles
+  # through one ring of slots (the forward prefetching its next queries); or one CTA per tile.
+  q, k, v, delta, cot = _problem((1, 2, 1, head_dim), 300, 330, seed=5)
+  blocks = dataclasses.replace(default_block_sizes(head_dim), persistent=persistent)
+  q_pos = jnp.arange(300) + 30
+
+  def loss(q, k, v, delta):
+    out = kernel.pope_attention(q, k, v, delta, is_causal=is_causal, q_positions=q_pos,
+                                block_sizes=blocks)
+    return (out.astype(jnp.float32) * cot).sum(), out
+
+  with plgpu.force_gpu_interpret_mode():
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+        q, k, v, delta)
+  want = _value_and_grads("xla", q, k, v, delta, cot, is_causal=is_causal, q_positions=q_pos)
+  _assert_close((out, *grads), want)
+
+
+def test_cta_items_deal_every_item_once():
+  # Snake order: each item to exactly one CTA; CTAs' item counts differ by at most one.
+  for n_items, grid in ((6, 3), (7, 3), (5, 5), (132 * 15 + 17, 132), (4, 1)):
+    per_cta = lambda f: jax.vmap(lambda _: f(*_streaming.cta_items(n_items, grid)),
+                                 axis_name="cta")(jnp.arange(grid))
+    count = np.asarray(per_cta(lambda item_of, count: count))
+    seen = []
+    for j in range(count.max()):
+      seen += list(np.asarray(per_cta(lambda item_of, count: item_of(j)))[count > j])
+    assert sorted(seen) == list(range(n_items)), (n_items, grid)
+    assert count.max() - count.min() <= 1
+
+
 @pytest.mark.parametrize("blocks, is_causal", [
     (BlockSizes(block_kv=64, overlap=True, ping_pong=False, stages_fwd=2), True),
     (BlockSizes(block_kv=64, overlap=True, stages=3), True),
