@@ -16,11 +16,13 @@ Shape letters: B batch, R resident tiles, C streamed steps.
 
 from __future__ import annotations
 
+import heapq
 import math
 import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src import state
 from jax._src.pallas.mosaic_gpu import core as pallas_mgpu_core
@@ -204,43 +206,88 @@ def num_sms() -> int:
   return getattr(jax.local_devices()[0], "core_count", 132)
 
 
-def item_grid(n_items: int, persistent: bool) -> int:
-  """CTAs of a launch over `n_items` resident tiles: with `persistent`, at most one per SM,
-  each looping over its share (`for_each_item`); else one per tile."""
-  return min(n_items, num_sms()) if persistent else n_items
+def item_schedule(lengths: np.ndarray, persistent: bool) -> np.ndarray:
+  """Which CTA runs which items (resident tiles), a static table built at trace time.
 
+  One CTA per item without `persistent` (the hardware's block scheduler then starts each item,
+  in launch order, on the first free SM). With it, at most one CTA per SM (`num_sms`), and each
+  item in launch order goes to the CTA with the least work so far, by `lengths` (greedy
+  longest-processing-time-first where items are numbered longest first, as `item_coords`
+  numbers them within a batch): the same assignment as the block scheduler's, made ahead.
+  Items of one batch thus still run at about the same time, and its keys stay in L2.
 
-def cta_items(n_items: int, grid: int):
-  """This CTA's resident tiles: (item_of, count), item_of(j) its j-th item for j < count.
+  Args:
+    lengths: [n_items] estimated steps per item (`causal_steps`; only the balance depends on
+      them, not the result).
+    persistent: see above.
 
-  Round j of a launch of `grid` CTAs takes items [j·grid, (j + 1)·grid), dealt in snake order
-  (CTA c takes item j·grid + c in even rounds, (j + 1)·grid - 1 - c in odd ones): items are
-  numbered longest first (`item_coords`), so each CTA's sum of lengths stays within about one
-  item of the others'. With grid = n_items each CTA takes item c.
+  Returns:
+    [grid, 1 + max items per CTA] int32: per CTA its item count, then its items in order
+    (-1 padding).
   """
+  n_items = len(lengths)
+  grid = min(n_items, num_sms()) if persistent else n_items
+  loads = [(0.0, c) for c in range(grid)]
+  items = [[] for _ in range(grid)]
+  for item, length in enumerate(lengths):
+    load, c = heapq.heappop(loads)
+    items[c].append(item)
+    heapq.heappush(loads, (load + float(length) + 1.0, c))  # + a tile's prologue and epilogue
+  table = np.full((grid, 1 + max(len(x) for x in items)), -1, np.int32)
+  for c, x in enumerate(items):
+    table[c, 0], table[c, 1:1 + len(x)] = len(x), x
+  return table
+
+
+def causal_steps(n_tiles: int, tile_rows: int, n_cols: int, step_cols: int, offset: int, *,
+                 causal: bool, rows_are_queries: bool) -> np.ndarray:
+  """Estimated streamed steps of each resident tile (by tile index), for `item_schedule`.
+
+  Assumes the default positions: query t at offset + t, key s at s. Without `causal`, every
+  tile visits all n_cols / step_cols steps.
+  """
+  tiles = np.arange(n_tiles)
+  if not causal:
+    return np.full(n_tiles, -(-n_cols // step_cols))
+  if rows_are_queries:  # keys up to the tile's last query
+    visible = np.clip(offset + (tiles + 1) * tile_rows, 0, n_cols)
+  else:  # queries from the tile's first key on
+    visible = n_cols - np.clip(tiles * tile_rows - offset, 0, n_cols)
+  return -(-visible // step_cols)
+
+
+def launch_schedule(bsz: int, n_heads: int, n_tiles: int, steps: np.ndarray,
+                    persistent: bool, longest_last_tile: bool) -> np.ndarray:
+  """`item_schedule` of a kernel's items, numbered by `item_coords` (within a batch, rank 0
+  first; rank 0 is the last tile when `longest_last_tile`, queries resident, else tile 0).
+
+  Args:
+    steps: [n_tiles] estimated steps per tile index (`causal_steps`).
+  """
+  ranks = np.arange(n_tiles)
+  per_rank = steps[n_tiles - 1 - ranks] if longest_last_tile else steps[ranks]
+  lengths = np.tile(np.repeat(per_rank, n_heads), bsz)
+  return item_schedule(lengths, persistent)
+
+
+def cta_items(schedule_ref):
+  """This CTA's items from its row of the `item_schedule` table (in GMEM): (item_of, count),
+  item_of(j) its j-th item for j < count."""
   c = lax.axis_index("cta")
-  rounds = -(-n_items // grid)
-
-  def item_of(j):
-    return j * grid + jnp.where(lax.rem(j, 2) == 0, c, grid - 1 - c)
-
-  count = rounds - 1 + (item_of(rounds - 1) < n_items).astype(jnp.int32)
-  return item_of, count
+  return (lambda j: schedule_ref[c, 1 + j]), schedule_ref[c, 0]
 
 
-def for_each_item(n_items: int, grid: int):
+def for_each_item(schedule_ref):
   """for_items(body, carry): carry = body(item, carry) over this CTA's items (`cta_items`)."""
-  item_of, count = cta_items(n_items, grid)
+  item_of, count = cta_items(schedule_ref)
   return lambda body, carry: lax.fori_loop(0, count, lambda j, c: body(item_of(j), c), carry)
 
 
 def item_coords(item, n_heads: int, n_tiles: int):
-  """(batch, head, rank) of a flat item index. Heads vary fastest, then the rank (0 = the
-  longest resident tile under a causal mask; the caller maps it to a tile), then the batch, so
-  one batch's keys and values stay in L2 while its tiles run."""
-  per_batch = n_heads * n_tiles
-  return lax.div(item, per_batch), lax.rem(item, n_heads), lax.rem(lax.div(item, n_heads),
-                                                                   n_tiles)
+  """(batch, head, rank) of a flat item index: heads vary fastest, then the rank (0 = the
+  longest resident tile under a causal mask; the caller maps ranks to tiles), then the batch."""
+  return lax.div(item, n_heads * n_tiles), lax.rem(item, n_heads), lax.rem(
+      lax.div(item, n_heads), n_tiles)
 
 
 def slot_of(s, origin, stages: int):

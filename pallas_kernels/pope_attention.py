@@ -118,7 +118,7 @@ def _forward(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, block
   b = _pad_to(b, v.shape[1], 1)
   freqs = encodings.pope_frequencies(q.shape[-1], base)
   rot = jnp.stack([jnp.broadcast_to(freqs, phase.shape), phase], axis=1)     # [N, 2, H]
-  return b, pope_attention_fwd(q, rot, angle_pos, b, v, q_pos, k_pos, tables[0], blocks=blocks,
+  return b, pope_attention_fwd(q, rot, angle_pos, b, v, q_pos, k_pos, *tables[0], blocks=blocks,
                                magnitude_scale=magnitude_scale, save_a=save_a)
 
 
@@ -145,22 +145,22 @@ def _flash_bwd(blocks, base, magnitude_scale, res, d_out):
   args = (a, b, v, d_out, lse, delta, q_pos, k_pos)
   h = a.shape[-1] // 2
   if not query:  # The dq kernel maps da: dq and each angle's gradient, summed into the phase's.
-    dq_angle = pope_attention_dq(*args, tables[1], blocks=blocks,
+    dq_angle = pope_attention_dq(*args, *tables[1], blocks=blocks,
                                  magnitude_scale=magnitude_scale)
     dq = dq_angle[..., :h]
     dphase = dq_angle[..., h:].astype(jnp.float32).sum((0, 1))
   else:  # da through the reference map's VJP (float32), as the kernel's `cartesian_halves`.
-    da = pope_attention_dq(*args, tables[1], blocks=blocks, magnitude_scale=None)
+    da = pope_attention_dq(*args, *tables[1], blocks=blocks, magnitude_scale=None)
     def query_map(q, phase):
       a = encodings.pope_cartesian(q, angle_pos, base=base, phase=phase) * magnitude_scale
       return a.astype(q.dtype)
     _, map_vjp = jax.vjp(query_map, *query)
     dq, dphase = map_vjp(da)
   if blocks.split_dkv:
-    (dk,) = pope_attention_dkv(*args, tables[2], blocks=blocks, outputs=("dk",))
-    (dv,) = pope_attention_dkv(*args, tables[2], blocks=blocks, outputs=("dv",))
+    (dk,) = pope_attention_dkv(*args, *tables[2], blocks=blocks, outputs=("dk",))
+    (dv,) = pope_attention_dkv(*args, *tables[2], blocks=blocks, outputs=("dv",))
   else:
-    dk, dv = pope_attention_dkv(*args, tables[2], blocks=blocks)
+    dk, dv = pope_attention_dkv(*args, *tables[2], blocks=blocks)
   bsz, s_pad, kv_heads = b.shape[:3]
   group = a.shape[2] // kv_heads
   if group > 1:
@@ -199,11 +199,25 @@ def _prepare(q, k, v, delta, q_positions, k_positions, *, base, is_causal, block
   qp = _pad_to(qp, t_pad, 1, st.QUERY_PAD)
   kp = _pad_to(k_pos.astype(jnp.float32), s_pad, 1, st.KEY_PAD)
   qp, kp = jax.lax.stop_gradient(qp), jax.lax.stop_gradient(kp)
-  tables = (
-      st.visit_table(qp, kp, blocks.block_q, blocks.block_kv, rows_are_queries=True),
-      st.visit_table(qp, kp, blocks.block_q_dq, blocks.block_kv_dq, rows_are_queries=True),
-      st.visit_table(kp, qp, blocks.block_kv_dkv, blocks.block_q_dkv, rows_are_queries=False),
-  )
+  # Per kernel (forward, dq, dk/dv): the visit table (which streamed steps each resident tile
+  # sees, from the positions) and which CTA runs which tiles (balanced by the step counts of
+  # the default positions, `st.launch_schedule`).
+  offset = max(s_len - t_len, 0)
+
+  def kernel_tables(row_block, col_block, rows_are_queries):
+    rows, cols = (qp, kp) if rows_are_queries else (kp, qp)
+    n_rows, n_cols = rows.shape[1], cols.shape[1]
+    tile_rows = st.COMPUTE_WGS * row_block
+    steps = st.causal_steps(n_rows // tile_rows, tile_rows, n_cols, col_block, offset,
+                            causal=is_causal, rows_are_queries=rows_are_queries)
+    schedule = st.launch_schedule(bsz, n_heads, n_rows // tile_rows, steps, blocks.persistent,
+                                  longest_last_tile=rows_are_queries)
+    return (st.visit_table(rows, cols, row_block, col_block, rows_are_queries=rows_are_queries),
+            jnp.asarray(schedule))
+
+  tables = (kernel_tables(blocks.block_q, blocks.block_kv, True),
+            kernel_tables(blocks.block_q_dq, blocks.block_kv_dq, True),
+            kernel_tables(blocks.block_kv_dkv, blocks.block_q_dkv, False))
   return qr, phase, k, vp, angle_pos, k_angle_pos, qp, kp, tables
 
 

@@ -63,7 +63,8 @@ def cartesian_vjp(cart, d_cart, magnitude_scale: float):
 
 
 @functools.partial(jax.jit, static_argnames=('blocks', 'magnitude_scale'))
-def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: BlockSizes,
+def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
+                      blocks: BlockSizes,
                       magnitude_scale: float | None):
   """Gradients of the raw queries and of their angles, from da = ln 2 · dS·b per query head.
 
@@ -79,6 +80,7 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
     lse, delta: [B, N, T] float32 (forward log-sum-exp, base 2; rowsum(dO ∘ O)).
     q_pos: [B, T], k_pos: [B, S] float32 positions with padding sentinels.
     table: [B, T / (2 block_q_dq), 10] int32 from `st.visit_table` (queries resident).
+    schedule: the CTAs' items, int32 from `st.launch_schedule` (queries resident).
     blocks: tile sizes.
     magnitude_scale: s of a, or None.
 
@@ -93,14 +95,13 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
   bq, bk, stages = blocks.block_q_dq, blocks.block_kv_dq, blocks.stages
   dtype = a.dtype
   n_tiles = t_len // (st.COMPUTE_WGS * bq)
-  n_items = bsz * n_heads * n_tiles
-  grid = st.item_grid(n_items, blocks.persistent)
+  grid = schedule.shape[0]
 
   def pope_dq_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
-                     tab_ref, dq_ref, a_smem, do_smem, lse_smem, delta_smem, qpos_smem, b_smem,
+                     tab_ref, sched_ref, dq_ref, a_smem, do_smem, lse_smem, delta_smem, qpos_smem, b_smem,
                      v_smem, kpos_smem, res_bar, ready, consumed):
     wg = lax.axis_index("wg")
-    for_items = st.for_each_item(n_items, grid)
+    for_items = st.for_each_item(sched_ref)
 
     def tile_of(item):
       """(batch, head, resident tile) of an item; tiles run last (longest) first."""
@@ -207,13 +208,14 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: B
       num_threads=wgs + 1,
       thread_name="wg",
       compiler_params=st.compiler_params(),
-  )(a, b, v, do, lse, delta, q_pos, k_pos, table)
+  )(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
 
 
 _DKV_OUTPUTS = ("dk", "dv")
 
 
-def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: BlockSizes,
+def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
+                       blocks: BlockSizes,
                        outputs: tuple[str, ...] = _DKV_OUTPUTS):
   """Per query head, the raw keys' gradient dk and Pᵀ·dO (the caller sums a GQA group).
 
@@ -227,8 +229,8 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: 
 
   Args:
     as in `pope_attention_dq` (without magnitude_scale: b = softplus(k)·[cos sθ, sin sθ] has
-    s = 1), except table: [B, S / (2 block_kv_dkv), 10] int32 from `st.visit_table` with keys
-    resident.
+    s = 1), except table: [B, S / (2 block_kv_dkv), 10] int32 from `st.visit_table` and
+    schedule from `st.launch_schedule`, with keys resident.
     outputs: a non-empty ordered subset of ("dk", "dv") (any sequence).
 
   Returns:
@@ -240,11 +242,12 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks: 
   outputs = tuple(outputs)
   if not outputs or any(o not in _DKV_OUTPUTS for o in outputs) or len(set(outputs)) < len(outputs):
     raise ValueError(f"outputs must be a non-empty subset of {_DKV_OUTPUTS}, got {outputs!r}")
-  return _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, blocks=blocks, outputs=outputs)
+  return _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, blocks=blocks,
+              outputs=outputs)
 
 
 @functools.partial(jax.jit, static_argnames=('blocks', 'outputs'))
-def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks, outputs):
+def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outputs):
   want_dk, want_dv = "dk" in outputs, "dv" in outputs
   bsz, t_len, n_heads, d = a.shape
   h = d // 2
@@ -254,8 +257,7 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks, outputs):
   dtype = a.dtype
   wgs = st.COMPUTE_WGS
   n_tiles = s_len // (wgs * bk)
-  n_items = bsz * n_heads * n_tiles
-  grid = st.item_grid(n_items, blocks.persistent)
+  grid = schedule.shape[0]
   # Operands loaded per compute warpgroup (resident) and per stage (streamed); dv alone needs
   # neither v nor Δ (v's SMEM tile is still allocated: it stages dv for the store).
   resident = ("b", "kpos") + (("v",) if want_dk else ())
@@ -287,9 +289,9 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks, outputs):
   scratch = scratch_types(dk_in_v)
 
   def pope_dkv_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
-                      tab_ref, out_refs, smem, str_smem, res_bar, ready, consumed):
+                      tab_ref, sched_ref, out_refs, smem, str_smem, res_bar, ready, consumed):
     wg = lax.axis_index("wg")
-    for_items = st.for_each_item(n_items, grid)
+    for_items = st.for_each_item(sched_ref)
 
     def tile_of(item):
       """(batch, head, kv head, resident tile) of an item. Key tile 0 sees the most queries
@@ -395,5 +397,5 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, *, blocks, outputs):
       num_threads=wgs + 1,
       thread_name="wg",
       compiler_params=st.compiler_params(),
-  )(a, b, v, do, lse, delta, q_pos, k_pos, table)
+  )(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
   return tuple(out[o] for o in outputs)

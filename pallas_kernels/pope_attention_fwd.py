@@ -118,7 +118,8 @@ def forward_stages(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool) -> 
 
 
 @functools.partial(jax.jit, static_argnames=('blocks', 'magnitude_scale', 'save_a'))
-def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks: BlockSizes,
+def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule, *,
+                       blocks: BlockSizes,
                        magnitude_scale: float, save_a: bool = False):
   """Runs the forward kernel.
 
@@ -131,6 +132,8 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
     q_pos: [B, T] float32 query positions (padding rows: st.QUERY_PAD).
     k_pos: [B, S] float32 key positions (padding rows: st.KEY_PAD).
     table: [B, T / (2 block_q), 10] int32 from `st.visit_table`.
+    schedule: the CTAs' items, int32 from `st.launch_schedule` (queries resident, tiles of
+      2 block_q rows).
     blocks: tile sizes.
     magnitude_scale: factor of the query magnitudes (the logit scale times log2 e).
     save_a: also return the Cartesian queries a.
@@ -148,8 +151,7 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
   stages = forward_stages(blocks, h, vd, dtype, save_a)
   bq, bk = blocks.block_q, blocks.block_kv
   n_tiles = t_len // (st.COMPUTE_WGS * bq)
-  n_items = bsz * n_heads * n_tiles
-  grid = st.item_grid(n_items, blocks.persistent)
+  grid = schedule.shape[0]
   q_in_o, a_in_smem = _q_in_o(blocks, h, vd), _a_in_smem(blocks, h, vd, save_a)
 
   # The CPU interpreter runs each warpgroup as its own XLA:CPU execution, and on a 2-core machine
@@ -164,7 +166,7 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
   ping_pong = blocks.ping_pong and not st.interpreted()
 
   def pope_fwd_kernel(q_ref, rot_ref, qang_ref, b_ref, v_ref, qpos_ref, kpos_ref, tab_ref,
-                      o_ref, lse_ref, *rest):
+                      sched_ref, o_ref, lse_ref, *rest):
     if save_a:
       a_ref, *rest = rest
     if a_in_smem:
@@ -185,7 +187,7 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
     @pl.when(wg < st.COMPUTE_WGS)
     def _compute():
       plgpu.set_max_registers(232, action="increase")
-      item_of, count = st.cta_items(n_items, grid)
+      item_of, count = st.cta_items(sched_ref)
 
       def load_queries(item):
         """Issues the copies of this warpgroup's query rows of an item: raw queries, the
@@ -381,7 +383,7 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
         return ((b_ref.at[batch, cols, kv_head], b_smem), (v_ref.at[batch, cols, kv_head], v_smem),
                 (kpos_ref.at[batch, cols], kpos_smem))
 
-      st.memory_warpgroup(st.for_each_item(n_items, grid), stages, consumed, ready, visit,
+      st.memory_warpgroup(st.for_each_item(sched_ref), stages, consumed, ready, visit,
                           copies)
 
   scratch = _scratch(blocks, stages, h, vd, dtype, save_a)
@@ -402,4 +404,4 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, *, blocks
       num_threads=st.COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=st.compiler_params(),
-  )(q, rot, q_angle_pos, b, v, q_pos, k_pos, table)
+  )(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule)
