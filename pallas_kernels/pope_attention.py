@@ -3,8 +3,8 @@
 PoPE (arXiv 2509.10534, Eq. 5/6) scores a_ts = Σ_c μq_tc μk_sc cos((s - t)θ_c + δ_c) with
 μ = softplus, θ_c = base^(-c/H). Written as a dot product of 2H-wide Cartesian vectors,
   q'_t = [μq cos(tθ - δ), μq sin(tθ - δ)],  k'_s = [μk cos sθ, μk sin sθ],
-it is ordinary attention over width 2H. The keys are mapped to that form by a small kernel
-(`cartesian_keys`: one read of k, one write of k'; float32 angles, bf16/fp16 result); the forward kernel reads the raw queries and maps each query
+it is ordinary attention over width 2H. The keys are mapped to that form in one fused XLA pass
+(float32 angles, bf16/fp16 result); the forward kernel reads the raw queries and maps each query
 tile itself (the scale and log2(e) folded into q'), saving the result for the backward kernels
 when differentiated. The flash-attention kernels of `pope_attention_fwd` / `pope_attention_bwd`
 run under a `jax.custom_vjp`. The backward kernels map their results through the Cartesian
@@ -36,7 +36,7 @@ from pope_jax import encodings
 from pallas_kernels import _streaming as st
 from pallas_kernels.pope_attention_bwd import pope_attention_dkv, pope_attention_dq
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
-from pallas_kernels.pope_attention_fwd import cartesian_keys, pope_attention_fwd
+from pallas_kernels.pope_attention_fwd import pope_attention_fwd
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
@@ -112,12 +112,11 @@ def _flash(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, blocks:
 
 def _forward(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, blocks, base,
              magnitude_scale, *, save_a):
-  """The key map (`cartesian_keys`, over the keys zero-padded to the values' length), then the
-  forward kernel."""
+  """The key map (one XLA pass; positions in their [S] / [B, S] shape, as angles broadcast over
+  the batch are cheaper), zero-padded to the values' length, then the forward kernel."""
+  b = encodings.pope_cartesian(k, k_angle_pos, base=base).astype(q.dtype)
+  b = _pad_to(b, v.shape[1], 1)
   freqs = encodings.pope_frequencies(q.shape[-1], base)
-  s_pad = v.shape[1]
-  k_angles = jnp.broadcast_to(k_angle_pos, k.shape[:2])
-  b = cartesian_keys(_pad_to(k, s_pad, 1), freqs, _pad_to(k_angles, s_pad, 1))
   rot = jnp.stack([jnp.broadcast_to(freqs, phase.shape), phase], axis=1)     # [N, 2, H]
   return b, pope_attention_fwd(q, rot, angle_pos, b, v, q_pos, k_pos, *tables[0], blocks=blocks,
                                magnitude_scale=magnitude_scale, save_a=save_a)

@@ -62,58 +62,6 @@ def cartesian_halves(x, pos, freq, phase, magnitude_scale: float, dtype):
   return (mag * jnp.cos(ang)).astype(dtype), (mag * jnp.sin(ang)).astype(dtype)
 
 
-_KEY_ROWS = 64  # key rows per CTA of `cartesian_keys`
-
-
-@jax.jit
-def cartesian_keys(k, freq, k_pos):
-  """The keys' Cartesian map b = [μk cos sθ, μk sin sθ] (PoPE Eq. 7-10) as a Mosaic GPU kernel.
-
-  Each CTA maps one 64-row tile of one kv head with `cartesian_halves` (the forward's query map,
-  with no phase and no scale): one read of k and one write of b, with the GPU's approximate
-  cos and sin after the same float32 range reduction.
-
-  Args:
-    k: [B, S, K, H] raw keys, bf16/fp16, S a multiple of 64.
-    freq: [H] float32 θ_c.
-    k_pos: [B, S] float32 angle positions.
-
-  Returns:
-    [B, S, K, 2H] in k's dtype.
-  """
-  bsz, s_len, kv_heads, h = k.shape
-  dtype, rows = k.dtype, _KEY_ROWS
-  rot = jnp.stack([freq, jnp.zeros_like(freq)])                     # [2, H]: θ and no phase
-
-  def pope_key_map_kernel(k_ref, rot_ref, pos_ref, b_ref, k_smem, rot_smem, pos_smem, b_smem,
-                          bar):
-    head, tile, batch = (lax.axis_index(n) for n in ("heads", "tiles", "batch"))
-    span = pl.ds(tile * rows, rows)
-    plgpu.copy_gmem_to_smem(k_ref.at[batch, span, head], k_smem, bar)
-    plgpu.copy_gmem_to_smem(rot_ref, rot_smem, bar)
-    plgpu.copy_gmem_to_smem(pos_ref.at[batch, span], pos_smem, bar)
-    plgpu.barrier_wait(bar)
-    halves = cartesian_halves(plgpu.load(k_smem, layout=plgpu.Layout.WGMMA),
-                              st.row_vector(pos_smem, 0), st.row_vector(rot_smem.at[0], 1),
-                              st.row_vector(rot_smem.at[1], 1), 1.0, dtype)
-    b_smem[...] = plgpu.layout_cast(jnp.concatenate(halves, axis=1), plgpu.Layout.WGMMA)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(b_smem, b_ref.at[batch, span, head])
-    plgpu.wait_smem_to_gmem(0)
-
-  return plgpu.kernel(
-      pope_key_map_kernel,
-      out_type=jax.ShapeDtypeStruct((bsz, s_len, kv_heads, 2 * h), dtype),
-      scratch_types=[plgpu.SMEM((rows, h), dtype, transforms=st.tile_transforms(h)),
-                     plgpu.SMEM((2, h), jnp.float32), plgpu.SMEM((rows,), jnp.float32),
-                     plgpu.SMEM((rows, 2 * h), dtype, transforms=st.tile_transforms()),
-                     plgpu.Barrier(num_arrivals=3)],
-      grid=(kv_heads, s_len // rows, bsz),
-      grid_names=("heads", "tiles", "batch"),
-      compiler_params=st.compiler_params(),
-  )(k, rot, k_pos)
-
-
 def _q_in_o(blocks: BlockSizes, h: int, vd: int) -> bool:
   # Without `persistent`, the query tile is staged in the output tile's SMEM when the two have
   # one width (the output is written only after the last step), which leaves room for a third

@@ -21,7 +21,7 @@ from pallas_kernels import pope_attention as kernel
 from pallas_kernels import _streaming
 from pallas_kernels.pope_attention_bwd import cartesian_vjp, pope_attention_dkv
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
-from pallas_kernels.pope_attention_fwd import cartesian_halves, cartesian_keys, forward_stages
+from pallas_kernels.pope_attention_fwd import cartesian_halves, forward_stages
 from pope_jax import attention, encodings
 
 # (B, N, K, H): kernel-shape families; lengths vary freely inside each.
@@ -109,20 +109,6 @@ def test_cartesian_halves_match_reference_map(head_dim, max_position):
   ref = 0.5 * encodings.polar_to_cartesian(x[None, :, None], pos_theta[None, :, None], phase)
   ref = np.asarray(ref, np.float64).reshape(got.shape)
   assert np.all(np.abs(got - ref) <= 2 * tol), np.max(np.abs(got - ref) / tol)
-
-
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_cartesian_keys_match_reference_map(head_dim):
-  # The key-map kernel against the library's map (float32, Eq. 7-10), batch-dependent positions
-  # up to 2^20: within bf16 rounding of the result.
-  k = jax.random.normal(jax.random.key(head_dim), (2, 128, 2, head_dim), jnp.float32) * 3
-  k = k.astype(jnp.bfloat16)
-  pos = jnp.stack([jnp.arange(128) * 8191, jnp.arange(128) + 7]).astype(jnp.float32)
-  freq = encodings.pope_frequencies(head_dim, 10000.0)
-  with plgpu.force_gpu_interpret_mode():
-    got = np.asarray(cartesian_keys(k, freq, pos), np.float32)
-  want = np.asarray(encodings.pope_cartesian(k, pos, base=10000.0))
-  np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=1e-5 * np.abs(want).max())
 
 
 def test_explicit_positions_and_empty_rows():
