@@ -2,6 +2,8 @@
 
 Every kernel has the same skeleton: a CTA holds two resident tiles (one per compute warpgroup)
 and a memory warpgroup streams tiles of the other operand through `stages` SMEM slots with TMA.
+A CTA runs one such pair of tiles (an item) or, persistent, several in turn, as a static
+schedule assigns them (`item_schedule`), streaming all of them through one ring of slots.
 Which streamed steps a resident tile visits is precomputed in XLA from the positions (see
 `visit_table`), so causal block skipping is exact for any positions:
 
