@@ -160,6 +160,38 @@ def memory_warpgroup(for_items, stages: int, consumed, ready, visit, copies):
   drain(for_items(item_body, jnp.int32(0)), stages, consumed)
 
 
+def last_tile_first(item, n_heads: int, n_tiles: int):
+  """(batch, head, resident query tile) of an item (`item_coords`): under a causal mask the last
+  query tile sees the most keys, so rank 0 is the last tile."""
+  batch, head, rank = item_coords(item, n_heads, n_tiles)
+  return batch, head, n_tiles - 1 - rank
+
+
+def stream_keys(for_items, tile_of, tab_ref, gmem, smem, group: int, block_kv: int,
+                stages: int, consumed, ready):
+  """`memory_warpgroup` of the kernels with resident queries (forward, dq): for each item
+  (batch, head, tile) = `tile_of(item)`, the steps of its visit range from the visit table
+  `tab_ref`, each copying the keys' Cartesian tile, the values and the key positions.
+
+  Args:
+    gmem: (b [B, S, K, D], v [B, S, K, V], key positions [B, S]) refs; smem: their slot buffers.
+    group: query heads per kv head.
+  """
+  def visit(item):
+    batch, _, tile = tile_of(item)
+    return tab_ref[batch, tile, 0], tab_ref[batch, tile, 1]
+
+  def copies(item, s):
+    batch, head, _ = tile_of(item)
+    kv_head = lax.div(head, jnp.int32(group))
+    cols = pl.ds(s * block_kv, block_kv)
+    b_ref, v_ref, kpos_ref = gmem
+    return zip((b_ref.at[batch, cols, kv_head], v_ref.at[batch, cols, kv_head],
+                kpos_ref.at[batch, cols]), smem)
+
+  memory_warpgroup(for_items, stages, consumed, ready, visit, copies)
+
+
 def smem_bytes(scratch) -> int:
   """SMEM bytes of a kernel's scratch (a pytree of SMEM buffers and barriers), each buffer and
   barrier array rounded up to Pallas' 1024-byte alignment: an upper bound, about 3 KiB above

@@ -179,10 +179,7 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
     wg = lax.axis_index("wg")
     handshake = (lambda: st.schedule_barrier(schedule)) if ping_pong else None
 
-    def tile_of(item):
-      """(batch, head, resident tile) of an item; tiles run last (longest) first."""
-      batch, head, rank = st.item_coords(item, n_heads, n_tiles)
-      return batch, head, n_tiles - 1 - rank
+    tile_of = lambda item: st.last_tile_first(item, n_heads, n_tiles)
 
     @pl.when(wg < st.COMPUTE_WGS)
     def _compute():
@@ -372,19 +369,8 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
 
     @pl.when(wg == st.COMPUTE_WGS)
     def _memory():
-      def visit(item):
-        batch, _, cta = tile_of(item)
-        return tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]
-
-      def copies(item, s):
-        batch, head, _ = tile_of(item)
-        kv_head = lax.div(head, jnp.int32(group))
-        cols = pl.ds(s * bk, bk)
-        return ((b_ref.at[batch, cols, kv_head], b_smem), (v_ref.at[batch, cols, kv_head], v_smem),
-                (kpos_ref.at[batch, cols], kpos_smem))
-
-      st.memory_warpgroup(st.for_each_item(sched_ref), stages, consumed, ready, visit,
-                          copies)
+      st.stream_keys(st.for_each_item(sched_ref), tile_of, tab_ref, (b_ref, v_ref, kpos_ref),
+                     (b_smem, v_smem, kpos_smem), group, bk, stages, consumed, ready)
 
   scratch = _scratch(blocks, stages, h, vd, dtype, save_a)
   st.check_smem(scratch, "forward", f"at {stages} stages (BlockSizes.stages_fwd="
