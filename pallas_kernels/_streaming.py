@@ -42,7 +42,8 @@ M_INIT = -1e30
 
 def visit_table(row_pos: jax.Array, col_pos: jax.Array, row_block: int, col_block: int, *,
                 rows_are_queries: bool) -> jax.Array:
-  """Per CTA the streamed-step ranges of its two warpgroups, [B, R / 2, 2 + 4 * 2] int32.
+  """Per pair of resident tiles (an item) the streamed-step ranges of its two warpgroups,
+  [B, R / 2, 2 + 4 * 2] int32.
 
   Args:
     row_pos: [B, R * row_block] float32 positions of the resident side.
@@ -85,11 +86,12 @@ def visit_table(row_pos: jax.Array, col_pos: jax.Array, row_block: int, col_bloc
   return jnp.concatenate([u_lo[..., None], u_hi[..., None], per_wg], axis=-1).astype(jnp.int32)
 
 
-def read_ranges(tab_ref, batch, cta, wg):
-  """(u_lo, u_hi, lo, flo, fhi, hi) scalars of this CTA and warpgroup from the visit table."""
-  u_lo, u_hi = tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]
+def read_ranges(tab_ref, batch, tile, wg):
+  """(u_lo, u_hi, lo, flo, fhi, hi) scalars of a resident tile pair (an item) and warpgroup
+  from the visit table."""
+  u_lo, u_hi = tab_ref[batch, tile, 0], tab_ref[batch, tile, 1]
   base = 2 + 4 * wg
-  lo, flo, fhi, hi = (tab_ref[batch, cta, base + i] for i in range(4))
+  lo, flo, fhi, hi = (tab_ref[batch, tile, base + i] for i in range(4))
   return u_lo, u_hi, lo, flo, fhi, hi
 
 
@@ -233,10 +235,13 @@ def schedule_barrier(barrier) -> None:
 
 
 def num_sms() -> int:
-  """Streaming multiprocessors of the first device (132 on the H200). The CPU interpreter gets
-  3, so that interpreted persistent launches loop over several tiles per CTA."""
+  """Streaming multiprocessors of the first device (132 on the H200). In the CPU interpreter
+  there is no limit: a persistent launch then runs one tile per CTA. (Interpreted runs with
+  several tiles per CTA sometimes never finished on a 2-core machine, the same inputs hanging
+  in some runs and not in others; the cause was not found. On the GPU every check and
+  benchmark ran several tiles per CTA to the end: docs/results, run 15.)"""
   if interpreted():
-    return 3
+    return 2 ** 31 - 1
   return getattr(jax.local_devices()[0], "core_count", 132)
 
 
@@ -245,10 +250,10 @@ def item_schedule(lengths: np.ndarray, persistent: bool) -> np.ndarray:
 
   One CTA per item without `persistent` (the hardware's block scheduler then starts each item,
   in launch order, on the first free SM). With it, at most one CTA per SM (`num_sms`), and each
-  item in launch order goes to the CTA with the least work so far, by `lengths` (greedy
-  longest-processing-time-first where items are numbered longest first, as `item_coords`
-  numbers them within a batch): the same assignment as the block scheduler's, made ahead.
-  Items of one batch thus still run at about the same time, and its keys stay in L2.
+  item in launch order goes to the CTA with the least work so far, by `lengths`: what the block
+  scheduler does dynamically with one CTA per item if the lengths hold, made ahead (greedy;
+  `item_coords` numbers items longest first within each batch). Items of one batch thus still
+  run at about the same time, and its keys stay in L2.
 
   Args:
     lengths: [n_items] estimated steps per item (`causal_steps`; only the balance depends on

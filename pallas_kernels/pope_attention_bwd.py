@@ -110,8 +110,8 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
       plgpu.set_max_registers(232, action="increase")
 
       def item_body(item, base):
-        batch, head, cta = tile_of(item)
-        rows = pl.ds((cta * st.COMPUTE_WGS + wg) * bq, bq)
+        batch, head, tile = tile_of(item)
+        rows = pl.ds((tile * st.COMPUTE_WGS + wg) * bq, bq)
         loads = ((a_ref.at[batch, rows, head], a_smem), (do_ref.at[batch, rows, head], do_smem),
                  (lse_ref.at[batch, head, rows], lse_smem),
                  (delta_ref.at[batch, head, rows], delta_smem),
@@ -124,7 +124,7 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
         lse = st.row_vector(lse_smem.at[wg], 0)
         dlt = st.row_vector(delta_smem.at[wg], 0)
         qpos = st.row_vector(qpos_smem.at[wg], 0)
-        ranges = st.read_ranges(tab_ref, batch, cta, wg)
+        ranges = st.read_ranges(tab_ref, batch, tile, wg)
         origin = ranges[0] - base  # this item's first step is the ring's step `base`
 
         def step(s, dq_acc, mode):
@@ -291,8 +291,8 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outp
       plgpu.set_max_registers(232, action="increase")
 
       def item_body(item, base):
-        batch, head, kv_head, cta = tile_of(item)
-        cols = pl.ds((cta * wgs + wg) * bk, bk)
+        batch, head, kv_head, tile = tile_of(item)
+        cols = pl.ds((tile * wgs + wg) * bk, bk)
         src = {"b": b_ref.at[batch, cols, kv_head], "v": v_ref.at[batch, cols, kv_head],
                "kpos": kpos_ref.at[batch, cols]}
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores read v's
@@ -302,7 +302,7 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outp
           plgpu.barrier_wait(res_bar.at[i * wgs + wg])
         b_smem = smem["b"]
         kpos = st.row_vector(smem["kpos"].at[wg], 0)
-        ranges = st.read_ranges(tab_ref, batch, cta, wg)
+        ranges = st.read_ranges(tab_ref, batch, tile, wg)
         origin = ranges[0] - base  # this item's first step is the ring's step `base`
 
         def step(s, accs, mode):
@@ -359,8 +359,8 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outp
     @pl.when(wg == wgs)
     def _memory():
       def visit(item):
-        batch, _, _, cta = tile_of(item)
-        return tab_ref[batch, cta, 0], tab_ref[batch, cta, 1]
+        batch, _, _, tile = tile_of(item)
+        return tab_ref[batch, tile, 0], tab_ref[batch, tile, 1]
 
       def copies(item, s):
         batch, head, _, _ = tile_of(item)

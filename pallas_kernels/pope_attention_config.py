@@ -13,7 +13,7 @@ class BlockSizes:
   """Tile sizes of the forward, dq and dk/dv kernels.
 
   Each kernel runs two compute warpgroups per CTA, each owning one resident tile of `block_*`
-  rows, and one memory warpgroup that streams the other operand through a pipeline of SMEM
+  rows at a time (several in turn when `persistent`), and one memory warpgroup that streams the other operand through a pipeline of SMEM
   slots (`stages` in the backward kernels, `stages_fwd` in the forward).
 
   Attributes:
@@ -63,7 +63,7 @@ class BlockSizes:
       with one CTA per tile it is staged in the output tile's when V = H). Which CTA runs which
       tiles is a static greedy schedule (`_streaming.item_schedule`). On the H200 (docs/results,
       run 15) 2-7 % faster forward and 1.1-3.3 % faster forward+backward at H = 64 and 128, in
-      eight pairs.
+      eight pairs. The CPU interpreter runs one tile per CTA (`_streaming.num_sms`).
     split_dkv: compute the key-side gradients dk and dv in two launches rather than one
       (`pope_attention_dkv`): the dv launch repeats a bᵀ and the pass over the queries, but at
       head dim 128, where one launch's float32 accumulators (db, D wide, and dv) spill, two

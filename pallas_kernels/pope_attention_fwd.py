@@ -66,8 +66,9 @@ def _q_in_o(blocks: BlockSizes, h: int, vd: int) -> bool:
   # Without `persistent`, the query tile is staged in the output tile's SMEM when the two have
   # one width (the output is written only after the last step), which leaves room for a third
   # stage at H = 128. A persistent CTA loads the next item's queries while it runs this one, so
-  # they get their own buffer.
-  return h == vd and not blocks.persistent
+  # they get their own buffer. The CPU interpreter runs persistent launches as one tile per CTA
+  # (`_streaming.num_sms`) and with this layout too (docs/results, run 15).
+  return h == vd and not (blocks.persistent and not st.interpreted())
 
 
 def _a_in_smem(blocks: BlockSizes, h: int, vd: int, save_a: bool) -> bool:
@@ -174,10 +175,10 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
     else:
       a_smem = None
     (o_smem, qpos_smem, lse_smem, rot_smem, qang_smem, b_smem, v_smem, kpos_smem,
-     q_bar, qpos_bar, ready, consumed, schedule, *q_smem) = rest
+     q_bar, qpos_bar, ready, consumed, handshake_bar, *q_smem) = rest
     q_smem = o_smem if q_in_o else q_smem[0]
     wg = lax.axis_index("wg")
-    handshake = (lambda: st.schedule_barrier(schedule)) if ping_pong else None
+    handshake = (lambda: st.schedule_barrier(handshake_bar)) if ping_pong else None
 
     tile_of = lambda item: st.last_tile_first(item, n_heads, n_tiles)
 
@@ -206,8 +207,8 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
 
       def item_body(j, base):
         item = item_of(j)
-        batch, head, cta = tile_of(item)
-        rows = pl.ds((cta * st.COMPUTE_WGS + wg) * bq, bq)
+        batch, head, tile = tile_of(item)
+        rows = pl.ds((tile * st.COMPUTE_WGS + wg) * bq, bq)
         if q_in_o:  # The previous item's output store must have read the tile first.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           load_queries(item)
@@ -241,7 +242,7 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
             plgpu.copy_smem_to_gmem(o_smem.at[wg], a_ref.at[batch, rows, head, pl.ds(i * h, h)])
         # QKᵀ's left operand: a in registers (only b is then read from SMEM) or a's SMEM tile.
         a_lhs = a if blocks.a_in_registers else a_smem.at[wg]
-        ranges = st.read_ranges(tab_ref, batch, cta, wg)
+        ranges = st.read_ranges(tab_ref, batch, tile, wg)
         origin = ranges[0] - base  # this item's first step is the ring's step `base`
 
         @jax.named_scope("wait_kv")

@@ -277,30 +277,34 @@ def test_dk_dv_in_one_or_two_launches(head_dim, split_dkv, a_in_registers):
 
 @pytest.mark.parametrize("head_dim, persistent, is_causal", [
     (64, True, True), (64, False, True), (128, True, False)])
-def test_persistent_ctas_loop_over_tiles(head_dim, persistent, is_causal):
-  # Three query and key tiles per head, two heads: 6 tiles per kernel over the interpreter's 3
-  # persistent CTAs (`_streaming.num_sms`), dealt in snake order, so each CTA runs two tiles
-  # through one ring of slots (the forward prefetching its next queries); or one CTA per tile.
+def test_persistent_launch_over_tiles(head_dim, persistent, is_causal):
+  # Three query and key tiles per head, two heads: 6 items per kernel. The interpreter runs a
+  # persistent launch like one CTA per item (`_streaming.num_sms`, `_q_in_o`), so this checks
+  # the item numbering and the schedule tables; several items per CTA, the query prefetch and
+  # the ring of slots across items run only on the GPU (experiments.bench_attention --check).
   q, k, v, delta, cot = _problem((1, 2, 1, head_dim), 300, 330, seed=5)
   blocks = dataclasses.replace(default_block_sizes(head_dim), persistent=persistent)
   q_pos = jnp.arange(300) + 30
+  kw = dict(is_causal=is_causal, q_positions=q_pos)
+  tables = kernel._prepare(q, k, v, delta, q_pos, jnp.arange(330), base=10000.0,
+                           is_causal=is_causal, blocks=blocks)[-1]
+  for _, schedule in tables:
+    assert np.asarray(schedule)[:, 0].max() == 1
 
   def loss(q, k, v, delta):
-    out = kernel.pope_attention(q, k, v, delta, is_causal=is_causal, q_positions=q_pos,
-                                block_sizes=blocks)
+    out = kernel.pope_attention(q, k, v, delta, block_sizes=blocks, **kw)
     return (out.astype(jnp.float32) * cot).sum(), out
 
   with plgpu.force_gpu_interpret_mode():
     (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
         q, k, v, delta)
-  want = _value_and_grads("xla", q, k, v, delta, cot, is_causal=is_causal, q_positions=q_pos)
+  want = _value_and_grads("xla", q, k, v, delta, cot, **kw)
   _assert_close((out, *grads), want)
 
 
 def test_item_schedule_balances_causal_tiles(monkeypatch):
   # Every item to exactly one CTA, in launch order; at the bench shape (4 x 16 heads x 32 query
   # tiles, causal) the busiest of the H200's 132 CTAs has at most 2 % more steps than the mean.
-  monkeypatch.setattr(_streaming, "interpreted", lambda: False)
   monkeypatch.setattr(_streaming, "num_sms", lambda: 132)
   steps = _streaming.causal_steps(32, 128, 4096, 128, 0, causal=True, rows_are_queries=True)
   np.testing.assert_array_equal(steps, np.arange(1, 33))
