@@ -62,7 +62,7 @@ class BlockSizes:
       next query tile while it runs this one (the query tile then has its own SMEM buffer;
       with one CTA per tile it is staged in the output tile's when V = H). Which CTA runs which
       tiles is a static greedy schedule (`_streaming.item_schedule`). On the H200 (docs/results,
-      run 15) 2-7 % faster forward and 1.1-3.3 % faster forward+backward at H = 64 and 128, in
+      run 15) 2-7 % faster forward and 1.1-3.4 % faster forward+backward at H = 64 and 128, in
       eight pairs. The CPU interpreter runs one tile per CTA (`_streaming.num_sms`).
     split_dkv: compute the key-side gradients dk and dv in two launches rather than one
       (`pope_attention_dkv`): the dv launch repeats a bᵀ and the pass over the queries, but at
