@@ -224,9 +224,9 @@ def check_failures(rows: list[dict], tol: float) -> list[str]:
 
 VARIANTS = {  # Changes to each head dim's default (`default_block_sizes`); {} is the default.
     "bench_h64": [dataclasses.replace(default_block_sizes(64), **change) for change in (
-        {}, {"persistent": False}, {}, {"persistent": False})],
+        {}, {"bounded_softmax": False}, {}, {"bounded_softmax": False})],
     "bench_h128": [dataclasses.replace(default_block_sizes(128), **change) for change in (
-        {}, {"persistent": False}, {}, {"persistent": False})],
+        {}, {"row_sum_mma": False})],
 }
 
 

@@ -382,12 +382,19 @@ def matmul(a, b, shape, then=None) -> jax.Array:
 
 def matmul_acc(acc: jax.Array, a, b) -> jax.Array:
   """acc + a @ b (wgmma accumulating in registers; the interpreter adds a fresh product)."""
-  if interpreted():  # The interpreter does not implement run_state.
-    return acc + matmul(a, b, acc.shape)
+  return matmul_accs((acc,), a, (b,))[0]
 
-  def run(acc_ref):
-    plgpu.wgmma(acc_ref, a, b)
-  return pl.run_state(run)(plgpu.ACC.init(acc))
+
+def matmul_accs(accs, a, bs) -> tuple:
+  """acc + a @ b for each (acc, b) of zip(accs, bs): wgmmas of one lhs a (SMEM ref or register
+  value), all issued before any is awaited. The CPU interpreter computes them in turn."""
+  if interpreted():  # The interpreter does not implement run_state.
+    return tuple(acc + matmul(a, b, acc.shape) for acc, b in zip(accs, bs))
+
+  def run(acc_refs):
+    for acc_ref, b in zip(acc_refs, bs):
+      plgpu.wgmma(acc_ref, a, b)
+  return tuple(pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc in accs)))
 
 
 def matmul_overlapped(a, b, shape, acc: jax.Array, p, v, during, then=None):
@@ -512,6 +519,6 @@ def broadcast(x, shape, axis: int):
 
 
 def tile_transforms(width: int = 64):
-  """SMEM tiling and swizzle of a 16-bit tile `width` (a multiple of 32) or more columns wide."""
+  """SMEM tiling and swizzle of a 16-bit tile `width` (a multiple of 16) or more columns wide."""
   swizzle = min(width, 64) * 2
   return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))

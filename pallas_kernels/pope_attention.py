@@ -36,7 +36,8 @@ from pope_jax import encodings
 from pallas_kernels import _streaming as st
 from pallas_kernels.pope_attention_bwd import pope_attention_dkv, pope_attention_dq
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
-from pallas_kernels.pope_attention_fwd import pope_attention_fwd
+from pallas_kernels.pope_attention_fwd import (BOUNDED_SCORE_LIMIT, bounded_softmax,
+                                               pope_attention_fwd)
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
@@ -110,6 +111,34 @@ def _flash(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, blocks:
                   magnitude_scale, save_a=False)[1][0]
 
 
+def bounded_tiles(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
+  """Which resident query tiles of the forward have every score within
+  ±`pope_attention_fwd.BOUNDED_SCORE_LIMIT`, [B, N, T / tile_rows] int32 (1 = bounded).
+
+  The Cartesian PoPE vectors have the magnitudes' norms, |q'_t| = |softplus(q_t)| (PoPE Eq.
+  7-10), so by Cauchy-Schwarz every score is bounded: |a_ts| <= scale · max_t |softplus(q_t)|
+  · max_s |softplus(k_s)|, the maxima over the tile's rows and over all keys of the kv head.
+  Elementwise 0 < softplus(x) <= max(x, 0) + log 2, which bounds the norms without a
+  transcendental per element (two reductions over q and k, at memory speed). Such tiles take
+  the softmax without a running max (`BlockSizes.bounded_softmax`).
+
+  Args:
+    q: [B, T, N, H] raw queries, T a multiple of tile_rows; k: [B, S, K, H] raw keys.
+    magnitude_scale: the factor of the scores (logit scale times log2 e: log2 units).
+    tile_rows: query rows per tile.
+  """
+  bsz, t_len, n_heads, _ = q.shape
+  kv_heads = k.shape[2]
+
+  def norm_bound(x):  # >= |softplus(x)| over the last axis, float32
+    return jnp.sqrt(jnp.square(jnp.maximum(x.astype(jnp.float32), 0.0) + math.log(2)).sum(-1))
+
+  q_norm = norm_bound(q).reshape(bsz, t_len // tile_rows, tile_rows, n_heads).max(2)  # [B,R,N]
+  k_norm = jnp.repeat(norm_bound(k).max(1), n_heads // kv_heads, axis=1)              # [B, N]
+  bound = q_norm * k_norm[:, None, :] * abs(magnitude_scale)
+  return (bound <= BOUNDED_SCORE_LIMIT).astype(jnp.int32).transpose(0, 2, 1)
+
+
 def _forward(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, blocks, base,
              magnitude_scale, *, save_a):
   """The key map (one XLA pass; positions in their [S] / [B, S] shape, as angles broadcast over
@@ -118,8 +147,14 @@ def _forward(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, block
   b = _pad_to(b, v.shape[1], 1)
   freqs = encodings.pope_frequencies(q.shape[-1], base)
   rot = jnp.stack([jnp.broadcast_to(freqs, phase.shape), phase], axis=1)     # [N, 2, H]
-  return b, pope_attention_fwd(q, rot, angle_pos, b, v, q_pos, k_pos, *tables[0], blocks=blocks,
-                               magnitude_scale=magnitude_scale, save_a=save_a)
+  tile_rows = st.COMPUTE_WGS * blocks.block_q
+  if bounded_softmax(blocks, q.dtype):
+    bounded = bounded_tiles(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), magnitude_scale,
+                            tile_rows)
+  else:
+    bounded = jnp.zeros((q.shape[0], q.shape[2], q.shape[1] // tile_rows), jnp.int32)
+  return b, pope_attention_fwd(q, rot, angle_pos, b, v, q_pos, k_pos, *tables[0], bounded,
+                               blocks=blocks, magnitude_scale=magnitude_scale, save_a=save_a)
 
 
 def _query_vjp_in_kernel(dtype) -> bool:

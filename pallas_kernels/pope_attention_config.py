@@ -56,6 +56,22 @@ class BlockSizes:
       spills 1,072 bytes in dk/dv and 48 in dq. `default_block_sizes` turns it on at head dim
       128, where it spills more (dq 236 -> 376 bytes, dk/dv 244 -> 380) and still runs
       0.5-1.1 % faster (docs/results, run 14).
+    row_sum_mma: forward only: the softmax's row sums l (FlashAttention's denominator) come
+      from the tensor cores, as P @ 1 against a 16-column tile of ones in SMEM, one more wgmma
+      (N = 16) issued with PV, instead of a float32 sum of P per row (at block_kv = 128, 64
+      adds and 4 shuffles per thread and step; the softmax's instructions bound the forward at
+      H = 64, docs/results run 12). l then sums P as rounded to q's dtype, the P that PV
+      multiplies. Not with `overlap`.
+    bounded_softmax: forward only, bfloat16 only: a query tile whose scores are all within
+      ±`pope_attention_fwd.BOUNDED_SCORE_LIMIT` (log2 units) by PoPE's magnitude bound
+      |a_ts| <= scale |softplus(q_t)| |softplus(k_s)| (Cauchy-Schwarz on the Cartesian vectors;
+      `pope_attention.bounded_tiles`, an XLA reduction over q and one over k per call) takes
+      P = exp2(scores) directly: no running row max, no rescaling of the accumulator
+      (FlashAttention's online max only keeps exp2 in range, which the bound already does).
+      Other tiles keep the online softmax. Off by default: on the H200 (docs/results, run 16)
+      it was 2-4 % slower with ping-pong (the bound's pass costs about 0.05 ms) and 4.7 %
+      faster at H = 64 only with ping_pong=False, which slows the tiles the bound misses.
+      Not with `overlap`.
     persistent: launch at most one CTA per SM, each looping over its share of the resident
       tiles, instead of one CTA per tile. The memory warpgroup streams the next tile's first
       keys (or queries) while the compute warpgroups finish a tile, and the forward loads the
@@ -83,6 +99,8 @@ class BlockSizes:
   overlap_bwd: bool = False
   split_dkv: bool = False
   persistent: bool = True
+  row_sum_mma: bool = False
+  bounded_softmax: bool = False
 
   def __post_init__(self):
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",
@@ -91,7 +109,7 @@ class BlockSizes:
       if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"BlockSizes.{field} must be an int, got {value!r}")
     for field in ("ping_pong", "overlap", "a_in_registers", "overlap_bwd", "split_dkv",
-                  "persistent"):
+                  "persistent", "row_sum_mma", "bounded_softmax"):
       if not isinstance(getattr(self, field), bool):
         raise TypeError(f"BlockSizes.{field} must be a bool, got {getattr(self, field)!r}")
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",
@@ -111,6 +129,10 @@ class BlockSizes:
       raise ValueError("BlockSizes.overlap with ping_pong needs stages_fwd >= 3 (or, with "
                        "stages_fwd None, stages >= 3): a slot is released one step later; got "
                        f"stages_fwd={self.stages_fwd}, stages={self.stages}")
+    for field in ("row_sum_mma", "bounded_softmax"):
+      if self.overlap and getattr(self, field):
+        raise ValueError(f"BlockSizes.{field} is not built for the overlapped schedule "
+                         "(overlap=True): set one of them False")
 
   @property
   def seq_multiple(self) -> int:
@@ -140,9 +162,12 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
   keep two (at H = 128 three do not fit). At H = 128 the backward steps run in
   FlashAttention-3's order (`overlap_bwd`: 0.5-1.1 % faster fwd+bwd in three calls, run 14);
   at H = 64 that order with 64-wide streamed tiles was 1-3 % slower than these defaults.
-  Every kernel is persistent (`BlockSizes.persistent`, run 15).
+  Every kernel is persistent (`BlockSizes.persistent`, run 15). At H = 128 the row sums come
+  from the tensor cores (`row_sum_mma`: 2.6-3.4 % faster forward there in one A/B call, within
+  noise at H = 64; run 16). `bounded_softmax` stays off: with ping-pong it was slower at both
+  head dims, its bound costing an XLA pass of about 0.05 ms (run 16).
   """
   if head_dim <= 64:
     return BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128, stages=2)
   return BlockSizes(block_q=64, block_kv=64, stages=2, ping_pong=False, overlap_bwd=True,
-                    split_dkv=True)
+                    split_dkv=True, row_sum_mma=True)

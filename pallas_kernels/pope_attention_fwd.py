@@ -31,6 +31,13 @@ from pallas_kernels.pope_attention_config import BlockSizes
 # adds at most half an ulp of the float32 pos·θ.
 _TWO_PI_HI = 6.28125
 _TWO_PI_LO = 2 * math.pi - _TWO_PI_HI
+# Query tiles whose scores (log2 units) are all within ± this (`bounded_softmax`) take exp2 of
+# the scores themselves: P stays within 2**±64, its row sums within S·2**64 and P V within
+# S·2**64·max|v|, far inside float32's and bfloat16's range (2**±126) for S < 2**24 positions.
+BOUNDED_SCORE_LIMIT = 64.0
+# Width of the ones tile and of the row-sum accumulator of `BlockSizes.row_sum_mma`: the
+# narrowest wgmma B operand (a 32-byte swizzle of 16-bit elements).
+ROW_SUM_COLS = 16
 
 
 def cartesian_halves(x, pos, freq, phase, magnitude_scale: float, dtype):
@@ -60,6 +67,13 @@ def cartesian_halves(x, pos, freq, phase, magnitude_scale: float, dtype):
   x = x.astype(jnp.float32)
   mag = (jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))) * magnitude_scale
   return (mag * jnp.cos(ang)).astype(dtype), (mag * jnp.sin(ang)).astype(dtype)
+
+
+def bounded_softmax(blocks: BlockSizes, dtype) -> bool:
+  """Whether the forward takes the softmax without a running max on bounded query tiles
+  (`BlockSizes.bounded_softmax`): for bfloat16 only, whose P has float32's exponent range
+  (fp16's P would overflow above 2**16)."""
+  return blocks.bounded_softmax and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
 
 
 def _q_in_o(blocks: BlockSizes, h: int, vd: int) -> bool:
@@ -100,6 +114,9 @@ def _scratch(blocks: BlockSizes, stages: int, h: int, vd: int, dtype, save_a: bo
   ]
   if not _q_in_o(blocks, h, vd):
     scratch.append(plgpu.SMEM((wgs, bq, h), dtype, transforms=st.tile_transforms(h)))
+  if blocks.row_sum_mma:
+    scratch.append(plgpu.SMEM((wgs, bk, ROW_SUM_COLS), dtype,
+                              transforms=st.tile_transforms(ROW_SUM_COLS)))
   return scratch
 
 
@@ -119,7 +136,7 @@ def forward_stages(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool) -> 
 
 
 @functools.partial(jax.jit, static_argnames=('blocks', 'magnitude_scale', 'save_a'))
-def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule, *,
+def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule, bounded, *,
                        blocks: BlockSizes,
                        magnitude_scale: float, save_a: bool = False):
   """Runs the forward kernel.
@@ -135,6 +152,8 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
     table: [B, T / (2 block_q), 10] int32 from `st.visit_table`.
     schedule: the CTAs' items, int32 from `st.launch_schedule` (queries resident, tiles of
       2 block_q rows).
+    bounded: [B, N, T / (2 block_q)] int32, 1 where every score of the tile is within
+      ±BOUNDED_SCORE_LIMIT (`pope_attention.bounded_tiles`); read only under `bounded_softmax`.
     blocks: tile sizes.
     magnitude_scale: factor of the query magnitudes (the logit scale times log2 e).
     save_a: also return the Cartesian queries a.
@@ -167,7 +186,7 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
   ping_pong = blocks.ping_pong and not st.interpreted()
 
   def pope_fwd_kernel(q_ref, rot_ref, qang_ref, b_ref, v_ref, qpos_ref, kpos_ref, tab_ref,
-                      sched_ref, o_ref, lse_ref, *rest):
+                      sched_ref, bnd_ref, o_ref, lse_ref, *rest):
     if save_a:
       a_ref, *rest = rest
     if a_in_smem:
@@ -175,8 +194,9 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
     else:
       a_smem = None
     (o_smem, qpos_smem, lse_smem, rot_smem, qang_smem, b_smem, v_smem, kpos_smem,
-     q_bar, qpos_bar, ready, consumed, handshake_bar, *q_smem) = rest
-    q_smem = o_smem if q_in_o else q_smem[0]
+     q_bar, qpos_bar, ready, consumed, handshake_bar, *rest) = rest
+    q_smem = o_smem if q_in_o else rest.pop(0)
+    ones_smem = rest.pop(0) if blocks.row_sum_mma else None
     wg = lax.axis_index("wg")
     handshake = (lambda: st.schedule_barrier(handshake_bar)) if ping_pong else None
 
@@ -199,6 +219,10 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
 
       if not q_in_o:
         load_queries(item_of(0))
+      if ones_smem is not None:  # P @ 1: the row sums of P (`BlockSizes.row_sum_mma`)
+        ones_smem.at[wg][...] = plgpu.layout_cast(jnp.ones((bk, ROW_SUM_COLS), dtype),
+                                                  plgpu.Layout.WGMMA)
+        plgpu.commit_smem()
       # Each step makes two handshakes (after issuing its matmuls, after the softmax; the
       # overlapped schedule's `last` makes none); warpgroup 1 makes one before its first step and
       # warpgroup 0 one after its last, so they alternate, also across a CTA's items.
@@ -255,17 +279,26 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
           return a_lhs, b_smem.at[slot].transpose((1, 0)), (bq, bk)
 
         @jax.named_scope("softmax")
-        def softmax(s_blk, m_i, l_i, slot, mode, cast=True):
+        def softmax(s_blk, m_i, l_i, slot, mode, cast=True, bounded=False):
           """Online softmax of one score tile: (m, l, P, alpha), alpha = the factor of the old
-          acc; P in q's dtype if `cast`, else float32."""
+          acc (None: 1); P in q's dtype if `cast`, else float32. With `bounded` (every score
+          within ±BOUNDED_SCORE_LIMIT) m stays 0: P = exp2(scores), no max and no rescale."""
           if mode == "masked":
             kpos = st.row_vector(kpos_smem.at[slot], 1)
             visible = st.broadcast(kpos, (bq, bk), 1) <= st.broadcast(qpos, (bq, bk), 0)
             s_blk = jnp.where(visible, s_blk, st.NEG_INF)
+          if bounded:
+            p = jnp.exp2(s_blk)
+            if ones_smem is None:
+              l_i = l_i + p.sum(axis=1)
+            return m_i, l_i, p.astype(dtype) if cast else p, None
           m_new = jnp.maximum(m_i, s_blk.max(axis=1))
           alpha = jnp.exp2(m_i - m_new)
           p = jnp.exp2(s_blk - st.broadcast(m_new, (bq, bk), 0))
-          l_i = l_i * alpha + p.sum(axis=1)
+          if ones_smem is None:
+            l_i = l_i * alpha + p.sum(axis=1)
+          else:  # [bq, ROW_SUM_COLS]; P @ 1 is added with PV (`pv`)
+            l_i = rescale(l_i, alpha)
           if cast:
             p = p.astype(dtype)
           return m_new, l_i, p, alpha
@@ -282,7 +315,13 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
           return values
 
         def rescale(acc, alpha):
-          return acc * st.broadcast(alpha, (bq, vd), 0)
+          return acc * st.broadcast(alpha, acc.shape, 0)
+
+        def pv(acc, l_i, p, slot):
+          """acc + P V and, under `row_sum_mma`, l + P 1, issued together."""
+          if ones_smem is None:
+            return st.matmul_acc(acc, p, v_smem.at[slot]), l_i
+          return st.matmul_accs((acc, l_i), p, (v_smem.at[slot], ones_smem.at[wg]))
 
         def skip(s, carry):
           plgpu.barrier_arrive(consumed.at[wait_step(s)])
@@ -291,7 +330,7 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
             handshake()
           return carry
 
-        def step(s, carry, mode):
+        def step(s, carry, mode, bounded=False):
           """One step as written: QKᵀ, softmax, then PV, each awaited."""
           if mode == "skip":
             return skip(s, carry)
@@ -299,10 +338,12 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
           slot = wait_step(s)
           with jax.named_scope("qk"):
             s_blk = st.matmul(*scores(slot), then=handshake)
-          m_i, l_i, p, alpha = softmax(s_blk, m_i, l_i, slot, mode)
-          acc, m_i, l_i, p = hand_over(rescale(acc, alpha), m_i, l_i, p)
+          m_i, l_i, p, alpha = softmax(s_blk, m_i, l_i, slot, mode, bounded=bounded)
+          if alpha is not None:
+            acc = rescale(acc, alpha)
+          acc, m_i, l_i, p = hand_over(acc, m_i, l_i, p)
           with jax.named_scope("pv"):
-            acc = st.matmul_acc(acc, p, v_smem.at[slot])
+            acc, l_i = pv(acc, l_i, p, slot)
           plgpu.barrier_arrive(consumed.at[slot])
           return acc, m_i, l_i
 
@@ -338,16 +379,33 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
           plgpu.barrier_arrive(consumed.at[slot])
           return acc, m_i, l_i, p
 
-        acc = plgpu.layout_cast(jnp.zeros((bq, vd), jnp.float32), plgpu.Layout.WGMMA)
-        m_i = plgpu.layout_cast(jnp.full((bq,), st.M_INIT, jnp.float32),
-                                plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        if blocks.overlap:
-          p = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
-          acc, m_i, l_i, _ = st.compute_loops_overlapped(
-              ranges, (acc, m_i, l_i, p), skip, first, step_overlapped, last)
+        def loops(bounded):
+          """The item's steps: (acc, m, l), m and l [bq] (l the row sums of exp2(s - m))."""
+          acc = plgpu.layout_cast(jnp.zeros((bq, vd), jnp.float32), plgpu.Layout.WGMMA)
+          m_i = plgpu.layout_cast(jnp.full((bq,), 0.0 if bounded else st.M_INIT, jnp.float32),
+                                  plgpu.Layout.WGMMA.reduce(1))
+          if ones_smem is None:
+            l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+          else:
+            l_i = plgpu.layout_cast(jnp.zeros((bq, ROW_SUM_COLS), jnp.float32),
+                                    plgpu.Layout.WGMMA)
+          if blocks.overlap:
+            p = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
+            acc, m_i, l_i, _ = st.compute_loops_overlapped(
+                ranges, (acc, m_i, l_i, p), skip, first, step_overlapped, last)
+          else:
+            acc, m_i, l_i = st.compute_loops(ranges, (acc, m_i, l_i),
+                                             functools.partial(step, bounded=bounded))
+          if ones_smem is not None:  # every column holds the row sums
+            l_i = l_i.max(axis=1)
+          return acc, m_i, l_i
+
+        if bounded_softmax(blocks, dtype):  # per item: bounded scores skip the running max
+          acc, m_i, l_i = lax.cond(bnd_ref[batch, head, tile] != 0, lambda: loops(True),
+                                   lambda: loops(False))
         else:
-          acc, m_i, l_i = st.compute_loops(ranges, (acc, m_i, l_i), step)
+          acc, m_i, l_i = loops(False)
 
         with jax.named_scope("store"):
           # The copies of a (this item's) or of the output (the previous item's) must have
@@ -391,4 +449,4 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
       num_threads=st.COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=st.compiler_params(),
-  )(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule)
+  )(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule, bounded)

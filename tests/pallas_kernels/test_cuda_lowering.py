@@ -49,12 +49,15 @@ def _lowered_text(h, vd, n, kh, change, dtype=jnp.bfloat16, is_causal=True):
     (128, 128, 2, 1, {}),
     (128, 64, 2, 2, {}),
     (32, 96, 4, 1, {}),
-    (64, 64, 2, 2, {"overlap": True, "stages": 3}),
+    (64, 64, 2, 2, {"overlap": True, "stages": 3, "bounded_softmax": False}),
     (64, 64, 2, 2, {"overlap": True, "ping_pong": False, "a_in_registers": False,
-                    "stages_fwd": 2}),
+                    "stages_fwd": 2, "bounded_softmax": False}),
     (64, 64, 2, 2, {"overlap_bwd": True, "block_kv_dq": 64, "block_q_dkv": 64}),
     (128, 128, 2, 2, {"ping_pong": True, "split_dkv": False, "overlap_bwd": False,
                       "stages_fwd": 2}),
+    (64, 64, 2, 2, {"row_sum_mma": True}),
+    (64, 64, 2, 2, {"bounded_softmax": False}),
+    (128, 128, 2, 1, {"bounded_softmax": True, "row_sum_mma": False}),
 ])
 def test_gpu_paths_lower_for_cuda(gpu_paths, h, vd, n, kh, change):
   text = _lowered_text(h, vd, n, kh, change)

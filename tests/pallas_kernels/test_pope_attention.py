@@ -334,6 +334,8 @@ def test_item_schedule_balances_causal_tiles(monkeypatch):
     (BlockSizes(block_kv=64, a_in_registers=False, overlap=True, ping_pong=False,
                 stages_fwd=2), False),
     (BlockSizes(block_kv=64, stages_fwd=2), True),
+    (BlockSizes(block_kv=64, row_sum_mma=True), True),
+    (BlockSizes(block_kv=128, row_sum_mma=True, a_in_registers=False), False),
 ])
 def test_forward_schedules(blocks, is_causal):
   # Several key steps per query tile (block_kv 64): skipped, masked and full ranges (for the
@@ -370,6 +372,8 @@ def test_block_sizes_validate():
   with pytest.raises(ValueError, match="stages_fwd >= 3"):
     BlockSizes(overlap=True, stages=3, stages_fwd=2)
   BlockSizes(overlap=True, stages_fwd=3)
+  with pytest.raises(ValueError, match="row_sum_mma"):
+    BlockSizes(overlap=True, stages_fwd=3, row_sum_mma=True)
   assert default_block_sizes(64).seq_multiple == 128
 
 
@@ -410,6 +414,8 @@ def test_block_size_defaults_and_types():
   assert default_block_sizes(64).ping_pong and not default_block_sizes(128).ping_pong
   assert default_block_sizes(128).split_dkv and not default_block_sizes(64).split_dkv
   assert default_block_sizes(128).overlap_bwd and not default_block_sizes(64).overlap_bwd
+  assert not default_block_sizes(64).bounded_softmax and not default_block_sizes(128).bounded_softmax
+  assert default_block_sizes(128).row_sum_mma and not default_block_sizes(64).row_sum_mma
   with pytest.raises(TypeError, match="overlap_bwd"):
     BlockSizes(overlap_bwd=1)
   with pytest.raises(TypeError, match="split_dkv"):
@@ -422,6 +428,48 @@ def test_block_size_defaults_and_types():
     BlockSizes(ping_pong="no")
   with pytest.raises(TypeError, match="overlap"):
     BlockSizes(overlap=1)
+  with pytest.raises(TypeError, match="row_sum_mma"):
+    BlockSizes(row_sum_mma=1)
   with pytest.raises(ValueError, match="stages >= 3"):
     BlockSizes(overlap=True, ping_pong=True, stages=2)
 
+
+
+def test_bounded_tiles_bound_every_score():
+  # A flag of 1 promises |scale · a_ts| <= BOUNDED_SCORE_LIMIT for every score of the tile; the
+  # bound (Cauchy-Schwarz on the Cartesian vectors) holds for any phase and positions, and large
+  # raw queries in one tile unflag that tile only.
+  q, k, _, delta, _ = _problem((2, 4, 2, 32), 256, 200, seed=3)
+  q = q.at[:, 128:, 1].multiply(10.0)
+  scale = 0.5
+  flags = np.asarray(kernel.bounded_tiles(q, k, scale, 128))
+  assert flags.shape == (2, 4, 2)
+  assert flags[:, 1, 1].sum() == 0 and flags[:, :, 0].all() and flags[:, 0].all()
+  a = encodings.pope_cartesian(q, jnp.arange(256), phase=-delta)
+  b = jnp.repeat(encodings.pope_cartesian(k, jnp.arange(200)), 2, axis=2)
+  scores = np.abs(np.asarray(jnp.einsum("btnd,bsnd->bnts", a, b))) * scale
+  tile_max = scores.reshape(2, 4, 2, 128, 200).max((3, 4))
+  assert np.all(tile_max[flags == 1] <= kernel.BOUNDED_SCORE_LIMIT)
+  assert tile_max[flags == 1].max() > 1.0  # a bound that is not vacuous here
+
+
+@pytest.mark.parametrize("head_dim, row_sum_mma", [(32, False), (64, True)])
+def test_bounded_softmax_forward_and_grads(head_dim, row_sum_mma):
+  # Bounded tiles (exp2 of the scores, no running max) beside unbounded ones (online softmax):
+  # large raw queries in the second 128-row tile of head 1 unflag that tile.
+  q, k, v, delta, cot = _problem((1, 2, 1, head_dim), 256, 256, seed=21)
+  q = q.at[:, 128:, 1].multiply(8.0)
+  blocks = dataclasses.replace(default_block_sizes(head_dim), bounded_softmax=True,
+                               row_sum_mma=row_sum_mma)
+  flags = np.asarray(kernel.bounded_tiles(q, k, 1 / (math.sqrt(head_dim) * math.log(2)), 128))
+  assert flags[0, 1, 1] == 0 and flags.sum() == 3
+
+  def loss(q, k, v, delta):
+    out = kernel.pope_attention(q, k, v, delta, is_causal=True, block_sizes=blocks)
+    return (out.astype(jnp.float32) * cot).sum(), out
+
+  with plgpu.force_gpu_interpret_mode():
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+        q, k, v, delta)
+  want = _value_and_grads("xla", q, k, v, delta, cot, is_causal=True)
+  _assert_close((out, *grads), want)
