@@ -224,7 +224,7 @@ def check_failures(rows: list[dict], tol: float) -> list[str]:
 
 VARIANTS = {  # Changes to each head dim's default (`default_block_sizes`); {} is the default.
     "bench_h64": [dataclasses.replace(default_block_sizes(64), **change) for change in (
-        {}, {"bounded_softmax": False}, {}, {"bounded_softmax": False})],
+        {}, {"bounded_softmax": True}, {"bounded_softmax": True, "ping_pong": False}, {})],
     "bench_h128": [dataclasses.replace(default_block_sizes(128), **change) for change in (
         {}, {"row_sum_mma": False})],
 }
@@ -380,7 +380,7 @@ def main():
                       help="--check fails (exit 1) above this max |error| / max |reference|")
   parser.add_argument("--check-blocks", action="append", default=[], metavar="JSON",
                       help='--check also runs these BlockSizes changes, e.g. '
-                           '\'{"overlap": true, "stages_fwd": 3}\'')
+                           '\'{"overlap": true, "stages_fwd": 3, "row_sum_mma": false}\'')
   parser.add_argument("--variants", action="store_true", help="time block-size variants")
   parser.add_argument("--train-step", action="store_true", help="GPT-2-124M PoPE/RoPE step")
   parser.add_argument("--train-batch", type=int, default=16, help="--train-step batch size")

@@ -519,6 +519,7 @@ def broadcast(x, shape, axis: int):
 
 
 def tile_transforms(width: int = 64):
-  """SMEM tiling and swizzle of a 16-bit tile `width` (a multiple of 16) or more columns wide."""
+  """SMEM tiling and swizzle of a 16-bit tile `width` (16, 32, or a multiple of 64) or more
+  columns wide."""
   swizzle = min(width, 64) * 2
   return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))

@@ -68,10 +68,10 @@ class BlockSizes:
       `pope_attention.bounded_tiles`, an XLA reduction over q and one over k per call) takes
       P = exp2(scores) directly: no running row max, no rescaling of the accumulator
       (FlashAttention's online max only keeps exp2 in range, which the bound already does).
-      Other tiles keep the online softmax. Off by default: on the H200 (docs/results, run 16)
-      it was 2-4 % slower with ping-pong (the bound's pass costs about 0.05 ms) and 4.7 %
-      faster at H = 64 only with ping_pong=False, which slows the tiles the bound misses.
-      Not with `overlap`.
+      Other tiles keep the online softmax. Off by default: on the H200 (docs/results, run 16,
+      with the bound on exact softplus norms) it was 2-4 % slower with ping-pong, and 4.7 %
+      faster at H = 64 only with ping_pong=False, which slows the tiles the bound misses; the
+      bound's XLA pass alone took about 0.05 ms. Not with `overlap`.
     persistent: launch at most one CTA per SM, each looping over its share of the resident
       tiles, instead of one CTA per tile. The memory warpgroup streams the next tile's first
       keys (or queries) while the compute warpgroups finish a tile, and the forward loads the
@@ -132,7 +132,8 @@ class BlockSizes:
     for field in ("row_sum_mma", "bounded_softmax"):
       if self.overlap and getattr(self, field):
         raise ValueError(f"BlockSizes.{field} is not built for the overlapped schedule "
-                         "(overlap=True): set one of them False")
+                         "(overlap=True): set one of them False (default_block_sizes(128) "
+                         "sets row_sum_mma)")
 
   @property
   def seq_multiple(self) -> int:

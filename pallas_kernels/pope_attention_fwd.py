@@ -31,9 +31,11 @@ from pallas_kernels.pope_attention_config import BlockSizes
 # adds at most half an ulp of the float32 pos·θ.
 _TWO_PI_HI = 6.28125
 _TWO_PI_LO = 2 * math.pi - _TWO_PI_HI
-# Query tiles whose scores (log2 units) are all within ± this (`bounded_softmax`) take exp2 of
-# the scores themselves: P stays within 2**±64, its row sums within S·2**64 and P V within
-# S·2**64·max|v|, far inside float32's and bfloat16's range (2**±126) for S < 2**24 positions.
+# Query tiles whose scores (log2 units) are all bounded by this in magnitude (`bounded_softmax`;
+# the kernel's scores, from bf16-rounded a and b, may exceed the bound by about 0.4 %) take exp2
+# of the scores themselves: P stays within about 2**±64, its row sums below S·2**65 and P V
+# below S·2**65·max|v|, inside float32's and bfloat16's range (normal from 2**-126 to 2**128)
+# for S < 2**24 positions and |v| < 2**38.
 BOUNDED_SCORE_LIMIT = 64.0
 # Width of the ones tile and of the row-sum accumulator of `BlockSizes.row_sum_mma`: the
 # narrowest wgmma B operand (a 32-byte swizzle of 16-bit elements).
@@ -282,7 +284,8 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
         def softmax(s_blk, m_i, l_i, slot, mode, cast=True, bounded=False):
           """Online softmax of one score tile: (m, l, P, alpha), alpha = the factor of the old
           acc (None: 1); P in q's dtype if `cast`, else float32. With `bounded` (every score
-          within ±BOUNDED_SCORE_LIMIT) m stays 0: P = exp2(scores), no max and no rescale."""
+          within ±BOUNDED_SCORE_LIMIT) m stays 0: P = exp2(scores), no max and no rescale.
+          Under `row_sum_mma` the returned l lacks this step's P, which `pv` adds."""
           if mode == "masked":
             kpos = st.row_vector(kpos_smem.at[slot], 1)
             visible = st.broadcast(kpos, (bq, bk), 1) <= st.broadcast(qpos, (bq, bk), 0)
@@ -390,7 +393,8 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
           else:
             l_i = plgpu.layout_cast(jnp.zeros((bq, ROW_SUM_COLS), jnp.float32),
                                     plgpu.Layout.WGMMA)
-          if blocks.overlap:
+          if blocks.overlap:  # (BlockSizes refuses overlap with row_sum_mma, bounded_softmax)
+            assert ones_smem is None and not bounded
             p = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
             acc, m_i, l_i, _ = st.compute_loops_overlapped(
                 ranges, (acc, m_i, l_i, p), skip, first, step_overlapped, last)

@@ -56,7 +56,8 @@ def _lowered_text(h, vd, n, kh, change, dtype=jnp.bfloat16, is_causal=True):
     (128, 128, 2, 2, {"ping_pong": True, "split_dkv": False, "overlap_bwd": False,
                       "stages_fwd": 2}),
     (64, 64, 2, 2, {"row_sum_mma": True}),
-    (64, 64, 2, 2, {"bounded_softmax": False}),
+    (64, 64, 2, 2, {"bounded_softmax": True}),
+    (64, 64, 2, 2, {"bounded_softmax": True, "row_sum_mma": True}),
     (128, 128, 2, 1, {"bounded_softmax": True, "row_sum_mma": False}),
 ])
 def test_gpu_paths_lower_for_cuda(gpu_paths, h, vd, n, kh, change):
@@ -68,8 +69,10 @@ def test_gpu_paths_lower_for_cuda(gpu_paths, h, vd, n, kh, change):
   assert ("wgmma.wait_group.sync.aligned 1" in text) == (blocks.overlap or blocks.overlap_bwd)
 
 
-def test_float16_lowers_for_cuda(gpu_paths):
-  # fp16 takes the dq kernel's epilogue without the query map's VJP (`_query_vjp_in_kernel`).
-  text = _lowered_text(64, 64, 2, 2, {}, dtype=jnp.float16)
+@pytest.mark.parametrize("h", [64, 128])
+def test_float16_lowers_for_cuda(gpu_paths, h):
+  # fp16 takes the dq kernel's epilogue without the query map's VJP (`_query_vjp_in_kernel`);
+  # at H = 128 the forward's row sums run on the tensor cores in fp16 (`row_sum_mma`).
+  text = _lowered_text(h, h, 2, 2, {}, dtype=jnp.float16)
   for name in KERNELS:
     assert name in text, name

@@ -374,6 +374,8 @@ def test_block_sizes_validate():
   BlockSizes(overlap=True, stages_fwd=3)
   with pytest.raises(ValueError, match="row_sum_mma"):
     BlockSizes(overlap=True, stages_fwd=3, row_sum_mma=True)
+  with pytest.raises(ValueError, match="bounded_softmax"):
+    BlockSizes(overlap=True, stages_fwd=3, bounded_softmax=True)
   assert default_block_sizes(64).seq_multiple == 128
 
 
@@ -430,6 +432,8 @@ def test_block_size_defaults_and_types():
     BlockSizes(overlap=1)
   with pytest.raises(TypeError, match="row_sum_mma"):
     BlockSizes(row_sum_mma=1)
+  with pytest.raises(TypeError, match="bounded_softmax"):
+    BlockSizes(bounded_softmax=1)
   with pytest.raises(ValueError, match="stages >= 3"):
     BlockSizes(overlap=True, ping_pong=True, stages=2)
 
@@ -451,6 +455,38 @@ def test_bounded_tiles_bound_every_score():
   tile_max = scores.reshape(2, 4, 2, 128, 200).max((3, 4))
   assert np.all(tile_max[flags == 1] <= kernel.BOUNDED_SCORE_LIMIT)
   assert tile_max[flags == 1].max() > 1.0  # a bound that is not vacuous here
+
+
+def test_bounded_tiles_at_the_limit():
+  # q = k = c in every channel, δ = 0: the score of query t and key t (one position) is
+  # scale · H · softplus(c)², Cauchy-Schwarz with equality. Just above the limit no tile may be
+  # flagged; at 0.99 of the documented bound (softplus <= relu + log 2) every tile is.
+  h, c = 32, 1.5
+  x = jnp.full((1, 128, 1, h), c, jnp.bfloat16)
+  a = encodings.pope_cartesian(x, jnp.arange(128))
+  peak = float(jnp.einsum("btnd,btnd->bnt", a, a).max())
+  np.testing.assert_allclose(peak, h * float(jax.nn.softplus(c)) ** 2, rtol=1e-5)
+  limit = kernel.BOUNDED_SCORE_LIMIT
+  assert np.asarray(kernel.bounded_tiles(x, x, 1.01 * limit / peak, 128)).sum() == 0
+  documented = h * (c + math.log(2)) ** 2
+  assert np.asarray(kernel.bounded_tiles(x, x, 0.99 * limit / documented, 128)).all()
+
+
+def test_bounded_flags_route_each_tile(monkeypatch):
+  # Only the tile whose scores pass 2**128 (head 1, rows 0-127) is flagged: its rows that see
+  # such scores must overflow in exp2, and nothing else may. A kernel reading another item's
+  # flag (rank for tile, or the table transposed) leaves that tile finite.
+  q, k, v, delta, _ = _problem((1, 2, 1, 32), 256, 256, seed=21)
+  q = q.at[:, :128, 1].multiply(200.0)
+  flags = jnp.zeros((1, 2, 2), jnp.int32).at[0, 1, 0].set(1)   # [B, N, tiles]
+  monkeypatch.setattr(kernel, "bounded_tiles", lambda *_: flags)
+  blocks = dataclasses.replace(default_block_sizes(32), bounded_softmax=True)
+  with plgpu.force_gpu_interpret_mode():
+    out = np.asarray(jax.jit(functools.partial(kernel.pope_attention, is_causal=True,
+                                               block_sizes=blocks))(q, k, v, delta), np.float32)
+  finite = np.isfinite(out).all(-1)                                   # [B, T, N]
+  assert finite[:, :128, 1].mean() < 0.5
+  assert finite[:, 128:].all() and finite[:, :, 0].all()
 
 
 @pytest.mark.parametrize("head_dim, row_sum_mma", [(32, False), (64, True)])
