@@ -50,6 +50,18 @@ def _value_and_grads(impl, q, k, v, delta, cot, **kw):
   return (out, *grads)
 
 
+def _kernel_value_and_grads(blocks, q, k, v, delta, cot, **kw):
+  """The kernel's output and gradients (q, k, v, δ) at `blocks`, in the interpreter."""
+  def loss(q, k, v, delta):
+    out = kernel.pope_attention(q, k, v, delta, block_sizes=blocks, **kw)
+    return (out.astype(jnp.float32) * cot).sum(), out
+
+  with plgpu.force_gpu_interpret_mode():
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+        q, k, v, delta)
+  return (out, *grads)
+
+
 def _assert_close(got, want):
   for name, x, y in zip(("out", "dq", "dk", "dv", "ddelta"), got, want):
     x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
@@ -264,15 +276,8 @@ def test_dk_dv_in_one_or_two_launches(head_dim, split_dkv, a_in_registers):
   blocks = dataclasses.replace(default_block_sizes(head_dim), split_dkv=split_dkv,
                                a_in_registers=a_in_registers)
 
-  def loss(q, k, v, delta):
-    out = kernel.pope_attention(q, k, v, delta, is_causal=True, block_sizes=blocks)
-    return (out.astype(jnp.float32) * cot).sum(), out
-
-  with plgpu.force_gpu_interpret_mode():
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
-        q, k, v, delta)
-  want = _value_and_grads("xla", q, k, v, delta, cot, is_causal=True)
-  _assert_close((out, *grads), want)
+  got = _kernel_value_and_grads(blocks, q, k, v, delta, cot, is_causal=True)
+  _assert_close(got, _value_and_grads("xla", q, k, v, delta, cot, is_causal=True))
 
 
 @pytest.mark.parametrize("head_dim, persistent, is_causal", [
@@ -293,15 +298,8 @@ def test_persistent_launch_over_tiles(head_dim, persistent, is_causal):
   for _, schedule in tables:
     assert np.asarray(schedule)[:, 0].max() == 1
 
-  def loss(q, k, v, delta):
-    out = kernel.pope_attention(q, k, v, delta, block_sizes=blocks, **kw)
-    return (out.astype(jnp.float32) * cot).sum(), out
-
-  with plgpu.force_gpu_interpret_mode():
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
-        q, k, v, delta)
-  want = _value_and_grads("xla", q, k, v, delta, cot, **kw)
-  _assert_close((out, *grads), want)
+  got = _kernel_value_and_grads(blocks, q, k, v, delta, cot, **kw)
+  _assert_close(got, _value_and_grads("xla", q, k, v, delta, cot, **kw))
 
 
 def test_item_schedule_balances_causal_tiles(monkeypatch):
@@ -500,12 +498,5 @@ def test_bounded_softmax_forward_and_grads(head_dim, row_sum_mma):
   flags = np.asarray(kernel.bounded_tiles(q, k, 1 / (math.sqrt(head_dim) * math.log(2)), 128))
   assert flags[0, 1, 1] == 0 and flags.sum() == 3
 
-  def loss(q, k, v, delta):
-    out = kernel.pope_attention(q, k, v, delta, is_causal=True, block_sizes=blocks)
-    return (out.astype(jnp.float32) * cot).sum(), out
-
-  with plgpu.force_gpu_interpret_mode():
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
-        q, k, v, delta)
-  want = _value_and_grads("xla", q, k, v, delta, cot, is_causal=True)
-  _assert_close((out, *grads), want)
+  got = _kernel_value_and_grads(blocks, q, k, v, delta, cot, is_causal=True)
+  _assert_close(got, _value_and_grads("xla", q, k, v, delta, cot, is_causal=True))
