@@ -5,7 +5,8 @@ PoPE expansion to 2H-wide Cartesian q', k' + cuDNN (`jax.nn.dot_product_attentio
 to 2H); expansion + tokamax Mosaic GPU attention (when tokamax imports); both again with the
 issue's concatenated expansion ("concat expand", softplus materialised first) next to this
 library's one-pass `encodings.pope_cartesian`; our fused kernel (`pope_attention(...,
-implementation="pallas")`); plain RoPE attention with cuDNN for scale. FLOPs: PoPE forward causal
+implementation="pallas")`) and the same with `BlockSizes.bounded_softmax` (opt-in; at the
+bench's N(0, 1) inputs every query tile is bounded); plain RoPE attention with cuDNN for scale. FLOPs: PoPE forward causal
 = 6·B·N·S²·H/2 (q'k'ᵀ over 2H plus PV over H); forward+backward is counted as 2.5× forward (the
 usual FlashAttention convention). Ratios are to the fastest PoPE baseline row.
 
@@ -156,6 +157,9 @@ def bench_head_dim(shape_name: str, iters: int, with_tokamax: bool) -> dict:
   rows += [_measure(name, fn, args, flops, iters) for name, (fn, tk) in BASELINES.items()
            if with_tokamax or not tk]
   rows.append(_measure("fused PoPE (ours)", _pope_pallas, args, flops, iters))
+  bounded = dataclasses.replace(default_block_sizes(shape.head_dim), bounded_softmax=True)
+  rows.append(_measure("fused, bounded_softmax", functools.partial(_pope_pallas, blocks=bounded),
+                       args, flops, iters))
   rows.append(_measure("RoPE cuDNN (scale)", _rope_cudnn, args, flops, iters))
   baselines = [r for r in rows if r["name"] in BASELINES and "error" not in r]
   best = {key: min((r[key] for r in baselines), default=float("nan"))
@@ -175,16 +179,26 @@ def bench_head_dim(shape_name: str, iters: int, with_tokamax: bool) -> dict:
   return {"shape": dataclasses.asdict(shape), "flops_fwd": flops, "rows": rows, "best": best}
 
 
+def _tile_scale(t_len: int, rows: int = 128, factor: float = 5.0) -> jax.Array:
+  """[1, T, 1, 1] bf16: `factor` on every other block of `rows` query rows, else 1. At N(0, 1)
+  inputs the unscaled tiles' magnitude bound holds and the scaled ones' fails, so a check with
+  `bounded_softmax` mixes bounded and online-softmax items in one CTA."""
+  scale = jnp.where(jnp.arange(t_len) // rows % 2 == 1, factor, 1.0)
+  return scale.astype(jnp.bfloat16)[None, :, None, None]
+
+
 def check(names, changes=({},)) -> list[dict]:
   """Fused kernel vs the XLA reference on the GPU: max |error| of the output and every grad.
 
   Each entry of `changes` (BlockSizes fields) is applied to the shape's default block sizes and
   checked as its own row; {} is the default path of `pope_attention(implementation="pallas")`.
+  The queries are N(0, 1) scaled by `_tile_scale`.
   """
   results = []
   for name, change in itertools.product(names, changes):
     shape = SHAPES[name]
     q, k, v, delta = _inputs(shape, seed=1)
+    q = q * _tile_scale(q.shape[1])
     cot = jax.random.normal(jax.random.key(2), q.shape[:3] + (shape.value_dim,), jnp.float32)
 
     def run(impl):
@@ -222,24 +236,30 @@ def check_failures(rows: list[dict], tol: float) -> list[str]:
           if "error" in row or not all(row[k] <= tol for k in keys)]
 
 
-VARIANTS = {  # Changes to each head dim's default (`default_block_sizes`); {} is the default.
-    "bench_h64": [dataclasses.replace(default_block_sizes(64), **change) for change in (
-        {}, {"bounded_softmax": True}, {"bounded_softmax": True, "ping_pong": False}, {})],
-    "bench_h128": [dataclasses.replace(default_block_sizes(128), **change) for change in (
-        {}, {"row_sum_mma": False})],
-}
+# (shape, query scale, changes to the head dim's `default_block_sizes`; {} is the default). At
+# query scale 8 PoPE's magnitude bound fails on every tile (`bounded_softmax`'s miss case);
+# "tiles" scales every other 128-row tile by 8 (`_tile_scale`: half the items bounded).
+VARIANTS = [
+    ("bench_h64", 1.0, [{}, {"bounded_softmax": True}, {}, {"bounded_softmax": True}]),
+    ("bench_h64", 8.0, [{}, {"bounded_softmax": True}]),
+    ("bench_h64", "tiles", [{}, {"bounded_softmax": True}]),
+    ("bench_h128", 1.0, [{}, {"bounded_softmax": True}, {}, {"bounded_softmax": True}]),
+]
 
 
 def variants(iters: int) -> list[dict]:
   out = []
-  for name, configs in VARIANTS.items():
+  for name, q_scale, changes in VARIANTS:
     shape = SHAPES[name]
-    args = _inputs(shape)
+    q, *rest = _inputs(shape)
+    scale = _tile_scale(q.shape[1]) if q_scale == "tiles" else jnp.asarray(q_scale, q.dtype)
+    args = (q * scale, *rest)
+    configs = [dataclasses.replace(default_block_sizes(shape.head_dim), **c) for c in changes]
     default_out = np.asarray(jax.jit(_pope_pallas)(*args), np.float32)
     default_grads = [np.asarray(g, np.float32) for g in _fwd_bwd(_pope_pallas)(*args)]
     for blocks in configs:
       fn = lambda q, k, v, d, blocks=blocks: _pope_pallas(q, k, v, d, blocks)
-      row = _measure(f"{name} {blocks}", fn, args, shape.forward_flops(), iters)
+      row = _measure(f"{name} q×{q_scale} {blocks}", fn, args, shape.forward_flops(), iters)
       if "error" not in row:  # The same results as the default schedule, up to bf16 rounding.
         got = np.asarray(jax.jit(fn)(*args), np.float32)
         row["fwd_max_diff_vs_default"] = float(np.abs(got - default_out).max())

@@ -225,16 +225,26 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
         ones_smem.at[wg][...] = plgpu.layout_cast(jnp.ones((bk, ROW_SUM_COLS), dtype),
                                                   plgpu.Layout.WGMMA)
         plgpu.commit_smem()
-      # Each step makes two handshakes (after issuing its matmuls, after the softmax; the
-      # overlapped schedule's `last` makes none); warpgroup 1 makes one before its first step and
-      # warpgroup 0 one after its last, so they alternate, also across a CTA's items.
-      if ping_pong:
-        pl.when(wg == 1)(handshake)
+      def is_bounded(j):
+        """Whether item j of this CTA takes the bounded softmax (the flag of its tile)."""
+        if not bounded_softmax(blocks, dtype):
+          return jnp.bool_(False)
+        batch, head, tile = tile_of(item_of(jnp.clip(j, 0, count - 1)))
+        return bnd_ref[batch, head, tile] != 0
 
+      # Under ping-pong, each step of an online-softmax item makes two handshakes (after issuing
+      # its matmuls, after the softmax; the overlapped schedule's `last` makes none). Over each
+      # run of consecutive such items, warpgroup 1 makes one more before the run's first step
+      # and warpgroup 0 one more after its last, so they alternate, also across the run's
+      # items. Bounded items (`bounded_softmax`; both warpgroups see the same tile's flag) make
+      # none: their softmax is short enough that the warpgroups run side by side.
       def item_body(j, base):
         item = item_of(j)
         batch, head, tile = tile_of(item)
         rows = pl.ds((tile * st.COMPUTE_WGS + wg) * bq, bq)
+        bounded_item = is_bounded(j)
+        if ping_pong:  # the start of a run of ping-pong items
+          pl.when((wg == 1) & ~bounded_item & ((j == 0) | is_bounded(j - 1)))(handshake)
         if q_in_o:  # The previous item's output store must have read the tile first.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           load_queries(item)
@@ -306,12 +316,12 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
             p = p.astype(dtype)
           return m_new, l_i, p, alpha
 
-        def hand_over(*values):
-          """Under ping-pong: finish computing `values`, then the handshake that hands the tensor
-          cores to the other warpgroup. As compiled, ptxas still moves the handshake's arrive (it
-          depends on no register) to the start of the softmax; only its wait stays here
-          (docs/results/attention_kernel.md, run 12)."""
-          if not ping_pong:
+        def hand_over(*values, pp=ping_pong):
+          """Under ping-pong (`pp`): finish computing `values`, then the handshake that hands the
+          tensor cores to the other warpgroup. As compiled, ptxas still moves the handshake's
+          arrive (it depends on no register) to the start of the softmax; only its wait stays
+          here (docs/results/attention_kernel.md, run 12)."""
+          if not pp:
             return values
           values = lax.optimization_barrier(values)
           handshake()
@@ -326,25 +336,27 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
             return st.matmul_acc(acc, p, v_smem.at[slot]), l_i
           return st.matmul_accs((acc, l_i), p, (v_smem.at[slot], ones_smem.at[wg]))
 
-        def skip(s, carry):
+        def skip(s, carry, pp=ping_pong):
           plgpu.barrier_arrive(consumed.at[wait_step(s)])
-          if ping_pong:
+          if pp:
             handshake()
             handshake()
           return carry
 
         def step(s, carry, mode, bounded=False):
-          """One step as written: QKᵀ, softmax, then PV, each awaited."""
+          """One step as written: QKᵀ, softmax, then PV, each awaited; with ping-pong handshakes
+          unless `bounded`."""
+          pp = ping_pong and not bounded
           if mode == "skip":
-            return skip(s, carry)
+            return skip(s, carry, pp)
           acc, m_i, l_i = carry
           slot = wait_step(s)
           with jax.named_scope("qk"):
-            s_blk = st.matmul(*scores(slot), then=handshake)
+            s_blk = st.matmul(*scores(slot), then=handshake if pp else None)
           m_i, l_i, p, alpha = softmax(s_blk, m_i, l_i, slot, mode, bounded=bounded)
           if alpha is not None:
             acc = rescale(acc, alpha)
-          acc, m_i, l_i, p = hand_over(acc, m_i, l_i, p)
+          acc, m_i, l_i, p = hand_over(acc, m_i, l_i, p, pp=pp)
           with jax.named_scope("pv"):
             acc, l_i = pv(acc, l_i, p, slot)
           plgpu.barrier_arrive(consumed.at[slot])
@@ -406,8 +418,7 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
           return acc, m_i, l_i
 
         if bounded_softmax(blocks, dtype):  # per item: bounded scores skip the running max
-          acc, m_i, l_i = lax.cond(bnd_ref[batch, head, tile] != 0, lambda: loops(True),
-                                   lambda: loops(False))
+          acc, m_i, l_i = lax.cond(bounded_item, lambda: loops(True), lambda: loops(False))
         else:
           acc, m_i, l_i = loops(False)
 
@@ -423,11 +434,11 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[batch, rows, head])
           plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, rows])
+        if ping_pong:  # the end of a run of ping-pong items
+          pl.when((wg == 0) & ~bounded_item & ((j == count - 1) | is_bounded(j + 1)))(handshake)
         return base + ranges[1] - ranges[0]
 
       lax.fori_loop(0, count, item_body, jnp.int32(0))
-      if ping_pong:
-        pl.when(wg == 0)(handshake)
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == st.COMPUTE_WGS)

@@ -3,6 +3,8 @@ timings on CPU mean nothing)."""
 
 import math
 
+import jax.numpy as jnp
+
 from experiments import bench_attention
 
 
@@ -27,3 +29,17 @@ def test_check_failures_names_errors_and_rows_over_tolerance():
   assert bench_attention.check_failures([ok, far, broken], 2e-2) == ["b", "c"]
   assert bench_attention.check_failures([ok], 2e-2) == []
   assert bench_attention.check_failures([dict(ok, name="d", dq=float("nan"))], 2e-2) == ["d"]
+
+
+def test_check_inputs_mix_bounded_and_unbounded_tiles():
+  # The GPU check's queries (`_tile_scale`) must give `bounded_softmax` both kinds of items.
+  from pallas_kernels import pope_attention as kernel
+  from pallas_kernels.shapes import SHAPES
+  for name in ("check_h64", "check_h128"):
+    shape = SHAPES[name]
+    q, k, _, _ = bench_attention._inputs(shape, seed=1)
+    q = q * bench_attention._tile_scale(q.shape[1])
+    t_pad = -(-q.shape[1] // 128) * 128
+    q = jnp.pad(q, ((0, 0), (0, t_pad - q.shape[1]), (0, 0), (0, 0)))
+    flags = kernel.bounded_tiles(q, k, 1 / math.sqrt(shape.head_dim) / math.log(2), 128)
+    assert 0 < int(flags.sum()) < flags.size, (name, flags)
