@@ -68,10 +68,11 @@ class BlockSizes:
       `pope_attention.bounded_tiles`, an XLA reduction over q and one over k per call) takes
       P = exp2(scores) directly: no running row max, no rescaling of the accumulator
       (FlashAttention's online max only keeps exp2 in range, which the bound already does).
-      Other tiles keep the online softmax. Off by default: on the H200 (docs/results, run 16,
-      with the bound on exact softplus norms) it was 2-4 % slower with ping-pong, and 4.7 %
-      faster at H = 64 only with ping_pong=False, which slows the tiles the bound misses; the
-      bound's XLA pass alone took about 0.05 ms. Not with `overlap`.
+      Other tiles keep the online softmax. Under `ping_pong`, bounded tiles run without the
+      handshakes (the two warpgroups side by side), the others keep them. Off by default: on
+      the H200 (docs/results, run 17) with every tile bounded (N(0, 1) inputs) the forward was
+      3.6-7.9 % faster at H = 64 and 2.7-4.7 % at H = 128; with none bounded (queries ×8) 6.8 %
+      slower at H = 64, the cost of the bound's XLA reductions (0.033 ms). Not with `overlap`.
     persistent: launch at most one CTA per SM, each looping over its share of the resident
       tiles, instead of one CTA per tile. The memory warpgroup streams the next tile's first
       keys (or queries) while the compute warpgroups finish a tile, and the forward loads the
@@ -165,8 +166,9 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
   at H = 64 that order with 64-wide streamed tiles was 1-3 % slower than these defaults.
   Every kernel is persistent (`BlockSizes.persistent`, run 15). At H = 128 the row sums come
   from the tensor cores (`row_sum_mma`: 2.6-3.4 % faster forward there in one A/B call, within
-  noise at H = 64; run 16). `bounded_softmax` stays off: with ping-pong it was slower at both
-  head dims, its bound costing an XLA pass of about 0.05 ms (run 16).
+  noise at H = 64; run 16). `bounded_softmax` stays off: it pays only where the magnitudes
+  bound every score (run 17: 3.6-7.9 % faster forward then, 6.8 % slower where no tile is
+  bounded).
   """
   if head_dim <= 64:
     return BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128, stages=2)
