@@ -6,9 +6,10 @@ to 2H); expansion + tokamax Mosaic GPU attention (when tokamax imports); both ag
 issue's concatenated expansion ("concat expand", softplus materialised first) next to this
 library's one-pass `encodings.pope_cartesian`; our fused kernel (`pope_attention(...,
 implementation="pallas")`) and the same with `BlockSizes.bounded_softmax` (opt-in; at the
-bench's N(0, 1) inputs every query tile is bounded); plain RoPE attention with cuDNN for scale. FLOPs: PoPE forward causal
-= 6·B·N·S²·H/2 (q'k'ᵀ over 2H plus PV over H); forward+backward is counted as 2.5× forward (the
-usual FlashAttention convention). Ratios are to the fastest PoPE baseline row.
+bench's N(0, 1) inputs every query tile is bounded); plain RoPE attention with cuDNN for
+scale. FLOPs: PoPE forward causal = 6·B·N·S²·H/2 (q'k'ᵀ over 2H plus PV over H);
+forward+backward is counted as 2.5× forward (the usual FlashAttention convention). Ratios are to
+the fastest PoPE baseline row.
 
   python -m experiments.bench_attention --out results.json [--check] [--variants] [--profile]
       [--train-step [--train-batch N] [--logits-dtype compute] [--train-breakdown]]
