@@ -188,18 +188,18 @@ def _tile_scale(t_len: int, rows: int = 128, factor: float = 5.0) -> jax.Array:
   return scale.astype(jnp.bfloat16)[None, :, None, None]
 
 
-def check(names, changes=({},)) -> list[dict]:
+def check(names, changes=({},), dtypes=(jnp.bfloat16,)) -> list[dict]:
   """Fused kernel vs the XLA reference on the GPU: max |error| of the output and every grad.
 
   Each entry of `changes` (BlockSizes fields) is applied to the shape's default block sizes and
-  checked as its own row; {} is the default path of `pope_attention(implementation="pallas")`.
-  The queries are N(0, 1) scaled by `_tile_scale`.
+  checked as its own row, for each input dtype of `dtypes`; {} is the default path of
+  `pope_attention(implementation="pallas")`. The queries are N(0, 1) scaled by `_tile_scale`.
   """
   results = []
-  for name, change in itertools.product(names, changes):
+  for name, change, dtype in itertools.product(names, changes, dtypes):
     shape = SHAPES[name]
-    q, k, v, delta = _inputs(shape, seed=1)
-    q = q * _tile_scale(q.shape[1])
+    q, k, v, delta = _inputs(shape, jnp.dtype(dtype), seed=1)
+    q = q * _tile_scale(q.shape[1]).astype(q.dtype)
     cot = jax.random.normal(jax.random.key(2), q.shape[:3] + (shape.value_dim,), jnp.float32)
 
     def run(impl):
@@ -214,7 +214,8 @@ def check(names, changes=({},)) -> list[dict]:
         return (out.astype(jnp.float32) * cot).sum(), out
       return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, delta)
 
-    row = {"name": f"{name} {change}" if change else name}
+    row = {"name": " ".join([name] + ([str(change)] if change else [])
+                            + ([jnp.dtype(dtype).name] if len(dtypes) > 1 else []))}
     try:
       (_, out), grads = run("pallas")
       (_, ref), ref_grads = run("xla")
@@ -239,13 +240,14 @@ def check_failures(rows: list[dict], tol: float) -> list[str]:
 
 # (shape, query scale, changes to the head dim's `default_block_sizes`; {} is the default). At
 # query scale 8 PoPE's magnitude bound fails on every tile (`bounded_softmax`'s miss case);
-# "tiles" scales every other 128-row tile by `_tile_scale`'s factor (half the items bounded;
-# run 17 A ran it with a factor of 8, today's default is 5).
+# "tiles" scales every other 128-row tile by `_tile_scale`'s factor (half the items bounded).
+_BOUNDED_AB = [{"bounded_softmax": False}, {"bounded_softmax": True}]
 VARIANTS = [
-    ("bench_h64", 1.0, [{}, {"bounded_softmax": True}, {}, {"bounded_softmax": True}]),
-    ("bench_h64", 8.0, [{}, {"bounded_softmax": True}]),
-    ("bench_h64", "tiles", [{}, {"bounded_softmax": True}]),
-    ("bench_h128", 1.0, [{}, {"bounded_softmax": True}, {}, {"bounded_softmax": True}]),
+    ("bench_h64", 1.0, _BOUNDED_AB * 2),
+    ("bench_h64", 8.0, _BOUNDED_AB * 2),
+    ("bench_h64", "tiles", _BOUNDED_AB),
+    ("bench_h128", 1.0, _BOUNDED_AB * 2),
+    ("bench_h128", 8.0, _BOUNDED_AB * 2),
 ]
 
 
@@ -276,7 +278,10 @@ def variants(iters: int) -> list[dict]:
 def profile_attention(shape_name: str, with_tokamax: bool) -> dict:
   """Device time per op of PoPE forward+backward: our kernel and the expansion baselines."""
   args = _inputs(SHAPES[shape_name])
-  paths = {"fused PoPE (ours)": _pope_pallas}
+  bounded = dataclasses.replace(default_block_sizes(SHAPES[shape_name].head_dim),
+                                bounded_softmax=True)
+  paths = {"fused PoPE (ours)": _pope_pallas,
+           "fused, bounded_softmax": functools.partial(_pope_pallas, blocks=bounded)}
   paths.update((name, fn) for name, (fn, tk) in BASELINES.items()
                if not name.startswith("concat") and (with_tokamax or not tk))
   out = {}
@@ -403,6 +408,8 @@ def main():
   parser.add_argument("--check-blocks", action="append", default=[], metavar="JSON",
                       help='--check also runs these BlockSizes changes, e.g. '
                            '\'{"overlap": true, "stages_fwd": 3, "row_sum_mma": false}\'')
+  parser.add_argument("--check-dtypes", default="bfloat16",
+                      help="--check input dtypes, comma-separated (bfloat16, float16)")
   parser.add_argument("--variants", action="store_true", help="time block-size variants")
   parser.add_argument("--train-step", action="store_true", help="GPT-2-124M PoPE/RoPE step")
   parser.add_argument("--train-batch", type=int, default=16, help="--train-step batch size")
@@ -426,7 +433,8 @@ def main():
   print(results, flush=True)
   if args.check:
     changes = [{}] + [json.loads(c) for c in args.check_blocks]
-    results["check"] = check([n for n in SHAPES if n.startswith("check")], changes)
+    results["check"] = check([n for n in SHAPES if n.startswith("check")], changes,
+                             [jnp.dtype(d) for d in args.check_dtypes.split(",")])
   if not args.skip_bench:
     results["bench"] = {n: bench_head_dim(n, args.iters, with_tokamax)
                         for n in ("bench_h64", "bench_h128")}
