@@ -111,31 +111,30 @@ def _flash(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, blocks:
                   magnitude_scale, save_a=False)[1][0]
 
 
-def bounded_tiles(q, b, magnitude_scale: float, tile_rows: int) -> jax.Array:
+def bounded_tiles(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
   """Which resident query tiles of the forward have every score within
   ±`pope_attention_fwd.BOUNDED_SCORE_LIMIT`, [B, N, T / tile_rows] int32 (1 = bounded).
 
   The Cartesian PoPE vectors have the magnitudes' norms, |q'_t| = |softplus(q_t)| (PoPE Eq.
   7-10), so by Cauchy-Schwarz every score is bounded: |a_ts| <= scale · max_t |softplus(q_t)|
-  · max_s |b_s|, the maxima over the tile's rows and over all keys of the kv head. The query
-  side uses 0 < softplus(x) <= max(x, 0) + log 2 elementwise (no transcendental per element);
-  the key side reads the norms of b, the Cartesian keys the kernel streams, as rounded to their
-  dtype (a reduction XLA fuses into the key map). Such tiles take the softmax without a running
-  max (`BlockSizes.bounded_softmax`).
+  · max_s |softplus(k_s)|, the maxima over the tile's rows and over all keys of the kv head.
+  Elementwise 0 < softplus(x) <= max(x, 0) + log 2, which bounds the norms without a
+  transcendental per element (two reductions over q and k, at memory speed). Such tiles take
+  the softmax without a running max (`BlockSizes.bounded_softmax`).
 
   Args:
-    q: [B, T, N, H] raw queries, T a multiple of tile_rows.
-    b: [B, S, K, 2H] Cartesian keys (`encodings.pope_cartesian`; zero rows for padding).
+    q: [B, T, N, H] raw queries, T a multiple of tile_rows; k: [B, S, K, H] raw keys.
     magnitude_scale: the factor of the scores (logit scale times log2 e: log2 units).
     tile_rows: query rows per tile.
   """
   bsz, t_len, n_heads, _ = q.shape
-  kv_heads = b.shape[2]
-  q_bound = jnp.maximum(q.astype(jnp.float32), 0.0) + math.log(2)      # >= softplus(q)
-  q_norm = jnp.sqrt(jnp.square(q_bound).sum(-1))                         # [B, T, N]
-  q_norm = q_norm.reshape(bsz, t_len // tile_rows, tile_rows, n_heads).max(2)   # [B, R, N]
-  k_norm = jnp.sqrt(jnp.square(b.astype(jnp.float32)).sum(-1).max(1))   # [B, K]
-  k_norm = jnp.repeat(k_norm, n_heads // kv_heads, axis=1)               # [B, N]
+  kv_heads = k.shape[2]
+
+  def norm_bound(x):  # >= |softplus(x)| over the last axis, float32
+    return jnp.sqrt(jnp.square(jnp.maximum(x.astype(jnp.float32), 0.0) + math.log(2)).sum(-1))
+
+  q_norm = norm_bound(q).reshape(bsz, t_len // tile_rows, tile_rows, n_heads).max(2)  # [B,R,N]
+  k_norm = jnp.repeat(norm_bound(k).max(1), n_heads // kv_heads, axis=1)              # [B, N]
   bound = q_norm * k_norm[:, None, :] * abs(magnitude_scale)
   return (bound <= BOUNDED_SCORE_LIMIT).astype(jnp.int32).transpose(0, 2, 1)
 
@@ -150,7 +149,7 @@ def _forward(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, block
   rot = jnp.stack([jnp.broadcast_to(freqs, phase.shape), phase], axis=1)     # [N, 2, H]
   tile_rows = st.COMPUTE_WGS * blocks.block_q
   if bounded_softmax(blocks, q.dtype):
-    bounded = bounded_tiles(jax.lax.stop_gradient(q), jax.lax.stop_gradient(b), magnitude_scale,
+    bounded = bounded_tiles(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), magnitude_scale,
                             tile_rows)
   else:
     bounded = jnp.zeros((q.shape[0], q.shape[2], q.shape[1] // tile_rows), jnp.int32)

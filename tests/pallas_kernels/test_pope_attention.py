@@ -447,12 +447,11 @@ def test_bounded_tiles_bound_every_score():
   q, k, _, delta, _ = _problem((2, 4, 2, 32), 256, 200, seed=3)
   q = q.at[:, 128:, 1].multiply(10.0)
   scale = 0.5
-  b = encodings.pope_cartesian(k, jnp.arange(200)).astype(k.dtype)
-  flags = np.asarray(kernel.bounded_tiles(q, b, scale, 128))
+  flags = np.asarray(kernel.bounded_tiles(q, k, scale, 128))
   assert flags.shape == (2, 4, 2)
   assert flags[:, 1, 1].sum() == 0 and flags[:, :, 0].all() and flags[:, 0].all()
   a = encodings.pope_cartesian(q, jnp.arange(256), phase=-delta)
-  b = jnp.repeat(b, 2, axis=2)
+  b = jnp.repeat(encodings.pope_cartesian(k, jnp.arange(200)), 2, axis=2)
   scores = np.abs(np.asarray(jnp.einsum("btnd,bsnd->bnts", a, b))) * scale
   tile_max = scores.reshape(2, 4, 2, 128, 200).max((3, 4))
   assert np.all(tile_max[flags == 1] <= kernel.BOUNDED_SCORE_LIMIT)
@@ -462,20 +461,16 @@ def test_bounded_tiles_bound_every_score():
 def test_bounded_tiles_at_the_limit():
   # q = k = c in every channel, δ = 0: the score of query t and key t (one position) is
   # scale · H · softplus(c)², Cauchy-Schwarz with equality. Just above the limit no tile may be
-  # flagged; at 0.99 of the documented bound (queries: softplus <= relu + log 2; keys: the
-  # norm of b as rounded) every tile is, and at 1.01 of it none.
+  # flagged; at 0.99 of the documented bound (softplus <= relu + log 2) every tile is.
   h, c = 32, 1.5
   x = jnp.full((1, 128, 1, h), c, jnp.bfloat16)
   a = encodings.pope_cartesian(x, jnp.arange(128))
   peak = float(jnp.einsum("btnd,btnd->bnt", a, a).max())
   np.testing.assert_allclose(peak, h * float(jax.nn.softplus(c)) ** 2, rtol=1e-5)
-  b = a.astype(jnp.bfloat16)
   limit = kernel.BOUNDED_SCORE_LIMIT
-  assert np.asarray(kernel.bounded_tiles(x, b, 1.01 * limit / peak, 128)).sum() == 0
-  b_norm = float(jnp.sqrt(jnp.square(b[0, :, 0].astype(jnp.float32)).sum(-1)).max())
-  documented = math.sqrt(h) * (c + math.log(2)) * b_norm
-  assert np.asarray(kernel.bounded_tiles(x, b, 0.99 * limit / documented, 128)).all()
-  assert np.asarray(kernel.bounded_tiles(x, b, 1.01 * limit / documented, 128)).sum() == 0
+  assert np.asarray(kernel.bounded_tiles(x, x, 1.01 * limit / peak, 128)).sum() == 0
+  documented = h * (c + math.log(2)) ** 2
+  assert np.asarray(kernel.bounded_tiles(x, x, 0.99 * limit / documented, 128)).all()
 
 
 def test_bounded_flags_route_each_tile(monkeypatch):
@@ -503,8 +498,7 @@ def test_bounded_softmax_forward_and_grads(head_dim, row_sum_mma):
   q = q.at[:, 128:, 1].multiply(8.0)
   blocks = dataclasses.replace(default_block_sizes(head_dim), bounded_softmax=True,
                                row_sum_mma=row_sum_mma)
-  b = encodings.pope_cartesian(k, jnp.arange(256)).astype(k.dtype)
-  flags = np.asarray(kernel.bounded_tiles(q, b, 1 / (math.sqrt(head_dim) * math.log(2)), 128))
+  flags = np.asarray(kernel.bounded_tiles(q, k, 1 / (math.sqrt(head_dim) * math.log(2)), 128))
   assert flags[0, 1, 1] == 0 and flags.sum() == 3
 
   got = _kernel_value_and_grads(blocks, q, k, v, delta, cot, is_causal=True)
