@@ -11,11 +11,13 @@ scale. FLOPs: PoPE forward causal = 6·B·N·S²·H/2 (q'k'ᵀ over 2H plus PV o
 forward+backward is counted as 2.5× forward (the usual FlashAttention convention). Ratios are to
 the fastest PoPE baseline row.
 
-  python -m experiments.bench_attention --out results.json [--check] [--variants] [--profile]
+  python -m experiments.bench_attention --out results.json [--check [--check-dtypes bfloat16,float16]]
+      [--variants] [--profile]
       [--train-step [--train-batch N] [--logits-dtype compute] [--train-breakdown]]
 
 --check compares the kernel's output and gradients with the float32 XLA reference on small
-shapes and exits 1 (after writing the JSON) if any is off by more than --check-tol.
+shapes, in each dtype of --check-dtypes (default bfloat16), and exits 1 (after writing the JSON)
+if any is off by more than --check-tol.
 --profile adds device time per op (`experiments.profile_ops`) of the PoPE fwd+bwd paths at head
 dims 64 and 128 and, with --train-step, of both train steps.
 """

@@ -72,8 +72,8 @@ class BlockSizes:
       handshakes (the two warpgroups side by side), the others keep them. Off by default: on
       the H200 (docs/results, run 17) with every tile bounded (N(0, 1) inputs) the forward was
       3.6-7.9 % faster at H = 64 and 2.7-4.7 % at H = 128; with none bounded (queries ×8) 6.8 %
-      slower at H = 64 and 3.0-5.7 % at H = 128, the cost of the bound's XLA reductions (0.033
-      ms at H = 64). Not with `overlap`.
+      slower at H = 64 and 3.0-5.7 % at H = 128, the cost of the bound's XLA reductions (0.029
+      ms of device time at H = 64, 0.047 at H = 128; run 18). Not with `overlap`.
     persistent: launch at most one CTA per SM, each looping over its share of the resident
       tiles, instead of one CTA per tile. The memory warpgroup streams the next tile's first
       keys (or queries) while the compute warpgroups finish a tile, and the forward loads the
