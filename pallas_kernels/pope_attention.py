@@ -111,20 +111,19 @@ def _flash(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, blocks:
                   magnitude_scale, save_a=False)[1][0]
 
 
-def bounded_tiles(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
-  """Which resident query tiles of the forward have every score within
-  ±`pope_attention_fwd.BOUNDED_SCORE_LIMIT`, [B, N, T / tile_rows] int32 (1 = bounded).
+def tile_score_bound(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
+  """An upper bound on |score| over each query tile of `tile_rows` rows and all keys of its kv
+  head, [B, N, T / tile_rows] float32, in the units of `magnitude_scale` (log2 for the kernel).
 
   The Cartesian PoPE vectors have the magnitudes' norms, |q'_t| = |softplus(q_t)| (PoPE Eq.
   7-10), so by Cauchy-Schwarz every score is bounded: |a_ts| <= scale · max_t |softplus(q_t)|
-  · max_s |softplus(k_s)|, the maxima over the tile's rows and over all keys of the kv head.
-  Elementwise 0 < softplus(x) <= max(x, 0) + log 2, which bounds the norms without a
-  transcendental per element (two reductions over q and k, at memory speed). Such tiles take
-  the softmax without a running max (`BlockSizes.bounded_softmax`).
+  · max_s |softplus(k_s)|, the maxima over the tile's rows and over all keys of the kv head,
+  for any positions and phase. Elementwise 0 < softplus(x) <= max(x, 0) + log 2, which bounds
+  the norms without a transcendental per element (two reductions over q and k, at memory speed).
 
   Args:
     q: [B, T, N, H] raw queries, T a multiple of tile_rows; k: [B, S, K, H] raw keys.
-    magnitude_scale: the factor of the scores (logit scale times log2 e: log2 units).
+    magnitude_scale: the factor of the scores (for the kernel, the logit scale times log2 e).
     tile_rows: query rows per tile.
   """
   bsz, t_len, n_heads, _ = q.shape
@@ -135,8 +134,22 @@ def bounded_tiles(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
 
   q_norm = norm_bound(q).reshape(bsz, t_len // tile_rows, tile_rows, n_heads).max(2)  # [B,R,N]
   k_norm = jnp.repeat(norm_bound(k).max(1), n_heads // kv_heads, axis=1)              # [B, N]
-  bound = q_norm * k_norm[:, None, :] * abs(magnitude_scale)
-  return (bound <= BOUNDED_SCORE_LIMIT).astype(jnp.int32).transpose(0, 2, 1)
+  return (q_norm * k_norm[:, None, :] * abs(magnitude_scale)).transpose(0, 2, 1)
+
+
+def bounded_tiles(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
+  """Which resident query tiles of the forward have every score within
+  ±`pope_attention_fwd.BOUNDED_SCORE_LIMIT`, [B, N, T / tile_rows] int32 (1 = bounded): those
+  whose `tile_score_bound` (log2 units) is at most the limit. Such tiles take the softmax
+  without a running max (`BlockSizes.bounded_softmax`).
+
+  Args:
+    q: [B, T, N, H] raw queries, T a multiple of tile_rows; k: [B, S, K, H] raw keys.
+    magnitude_scale: the factor of the scores (logit scale times log2 e: log2 units).
+    tile_rows: query rows per tile.
+  """
+  bound = tile_score_bound(q, k, magnitude_scale, tile_rows)
+  return (bound <= BOUNDED_SCORE_LIMIT).astype(jnp.int32)
 
 
 def _forward(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, blocks, base,

@@ -74,23 +74,24 @@ def frequencies(config: ModelConfig) -> np.ndarray:
   return np.asarray(encodings.rope_frequencies(config.head_size, config.rope_base))
 
 
-def _capture_qk(config: ModelConfig):
-  model = Transformer(config)
+def _layer_projections(config: ModelConfig, params: Any, tokens: Array) -> list[tuple[Array, Array]]:
+  """Per layer, the raw query and key projections ([B, T, N, H], [B, T, K, H], before
+  rotation / softplus) of `tokens` [B, T], in the model's compute dtype."""
+  _, state = Transformer(config).apply(
+      {"params": params}, tokens, mutable=["intermediates"],
+      capture_intermediates=lambda mdl, name: name == "__call__" and mdl.name in ("query", "key"))
+  attn = [state["intermediates"][f"block_{i}"]["attn"] for i in range(config.num_layers)]
+  return [(a["query"]["__call__"][0], a["key"]["__call__"][0]) for a in attn]
 
+
+def _capture_qk(config: ModelConfig):
   def sums(params, tokens, weights):
-    _, state = model.apply(
-        {"params": params}, tokens, mutable=["intermediates"],
-        capture_intermediates=lambda mdl, name: name == "__call__" and mdl.name in ("query", "key"))
-    inter = state["intermediates"]
-    out = {}
-    for which in ("query", "key"):
-      per_layer = []
-      for i in range(config.num_layers):
-        x = inter[f"block_{i}"]["attn"][which]["__call__"][0]           # [B, T, N|K, H]
+    out = {"query": [], "key": []}
+    for layer in _layer_projections(config, params, tokens):
+      for which, x in zip(("query", "key"), layer):
         mag = frequency_magnitudes(x, config.pos_encoding, rope_layout=config.rope_layout)
-        per_layer.append(jnp.einsum("btnf,bt->f", mag, weights) / mag.shape[2])
-      out[which] = jnp.stack(per_layer)                                   # [L, F]
-    return out
+        out[which].append(jnp.einsum("btnf,bt->f", mag, weights) / mag.shape[2])
+    return {which: jnp.stack(per_layer) for which, per_layer in out.items()}   # [L, F]
 
   return jax.jit(sums)
 
@@ -126,6 +127,71 @@ def frequency_usage(config: ModelConfig, params: Any,
     raise ValueError("frequency_usage got no token with non-zero weight")
   return {"query": total["query"] / count, "key": total["key"] / count,
           "frequencies": frequencies(config)}
+
+
+def score_bounds(config: ModelConfig, params: Any,
+                 batches: Iterable[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+  """How often the fused PoPE kernel's magnitude bound lets a query tile skip the running max.
+
+  For each layer, every window of `batches` and every head, the kernel's per-tile bound on the
+  scores (`pallas_kernels.pope_attention.tile_score_bound`, Cauchy-Schwarz on PoPE's Cartesian
+  vectors, in log2 units at the logit scale 1/sqrt(H), over 128-row query tiles of the window
+  zero-padded as the kernel pads it) beside the largest |score| it bounds (every key of the
+  window, causal or not: the bound does not use the mask). A tile is bounded when its bound is
+  at most `pope_attention_fwd.BOUNDED_SCORE_LIMIT`; with `BlockSizes(bounded_softmax=True)`
+  such tiles take P = exp2(scores) with no running max (docs/results/attention_kernel.md,
+  runs 16-18).
+
+  Args:
+    config: a PoPE model's config (its attention may use any implementation).
+    params: its parameters.
+    batches: records batched as {"inputs": int [B, T]}.
+
+  Returns:
+    {"bound": [L, M], "max_score": [L, M]} float32 numpy arrays over the M tiles of all windows
+    and heads, and "limit": the kernel's limit.
+
+  Raises:
+    ValueError: a config whose pos_encoding is not "pope", or no batch.
+  """
+  from pallas_kernels import pope_attention as kernel
+  from pallas_kernels._streaming import COMPUTE_WGS
+  from pallas_kernels.pope_attention_config import default_block_sizes
+
+  if config.pos_encoding != "pope":
+    raise ValueError(f"score_bounds needs pos_encoding 'pope', got {config.pos_encoding!r}")
+  h = config.head_size
+  tile_rows = COMPUTE_WGS * default_block_sizes(h).block_q
+  log2_scale = 1.0 / (math.sqrt(h) * math.log(2))
+
+  @jax.jit
+  def per_layer(params, tokens):
+    t_len = tokens.shape[1]
+    t_pad = -(-t_len // tile_rows) * tile_rows
+    positions = jnp.arange(t_len)
+    bounds, maxima = [], []
+    for i, (q, k) in enumerate(_layer_projections(config, params, tokens)):
+      qp = jnp.pad(q, ((0, 0), (0, t_pad - t_len), (0, 0), (0, 0)))
+      bounds.append(kernel.tile_score_bound(qp, k, log2_scale, tile_rows).reshape(-1))
+      delta = params[f"block_{i}"]["attn"]["delta"]
+      a = encodings.pope_cartesian(q, positions, base=config.pope_base,
+                                   phase=-encodings.clamp_phase_bias(delta))
+      b = encodings.pope_cartesian(k, positions, base=config.pope_base)
+      b = jnp.repeat(b, q.shape[2] // k.shape[2], axis=2)
+      scores = jnp.abs(jnp.einsum("btnd,bsnd->bnts", a, b)).max(-1) * log2_scale   # [B, N, T]
+      scores = jnp.pad(scores, ((0, 0), (0, 0), (0, t_pad - t_len)))
+      maxima.append(scores.reshape(*scores.shape[:2], -1, tile_rows).max(-1).reshape(-1))
+    return jnp.stack(bounds), jnp.stack(maxima)
+
+  bounds, maxima = [], []
+  for batch in batches:
+    bound, max_score = per_layer(params, jnp.asarray(batch["inputs"], jnp.int32))
+    bounds.append(np.asarray(bound))
+    maxima.append(np.asarray(max_score))
+  if not bounds:
+    raise ValueError("score_bounds got no batch")
+  return {"bound": np.concatenate(bounds, 1), "max_score": np.concatenate(maxima, 1),
+          "limit": kernel.BOUNDED_SCORE_LIMIT}
 
 
 def attention_score_bytes(config: ModelConfig, batch_size: int, length: int) -> int:

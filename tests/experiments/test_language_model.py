@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from experiments import frequency_usage, language_model, length_extrapolation
+from experiments import frequency_usage, language_model, length_extrapolation, score_bounds
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,13 @@ def test_frequency_usage_smoke(lm_out):
   assert len(record["usage"]["rope"]["query"][0]) == 8      # head dim 16 → 8 RoPE pairs
   assert len(record["usage"]["pope"]["key"][0]) == 16       # 16 PoPE frequencies
   assert (lm_out / "frequency_usage.png").stat().st_size > 1000
+
+
+def test_score_bounds_smoke(lm_out):
+  record = score_bounds.main(["--preset", "smoke", "--out", str(lm_out), "--no-progress"])
+  assert len(record["per_layer"]) == 1 and 0.0 <= record["bounded_share"] <= 1.0
+  assert all(r["bound_max"] >= r["max_score"] > 0 for r in record["per_layer"])
+  assert "bounded tiles" in (lm_out / "score_bounds.md").read_text()
 
 
 def test_two_processes_match_one(lm_out, tmp_path):

@@ -1,5 +1,7 @@
 """Frequency-usage analysis: magnitudes by hand, and capture from a real model."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,3 +80,27 @@ def test_perplexity_by_length(tmp_path):
   with pytest.raises(ValueError, match="GiB"):
     analysis.perplexity_by_length(cfg, params, tmp_path / "valid.bin", [8, 100_000],
                                   memory_budget=2**30)
+
+
+def test_score_bounds_bound_every_score_and_follow_the_magnitudes():
+  # A GQA PoPE model: each tile's bound is at least the largest |score| it covers (Cauchy-Schwarz
+  # on the Cartesian vectors, whatever the phase δ and positions), and scaling the query
+  # projection up 1000x pushes every tile past the kernel's limit.
+  cfg = ModelConfig(vocab_size=13, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
+                    pos_encoding="pope")
+  tokens = jax.random.randint(jax.random.key(0), (2, 150), 0, 13)   # two 128-row tiles, padded
+  params = Transformer(cfg).init(jax.random.key(1), tokens)["params"]
+  got = analysis.score_bounds(cfg, params, [{"inputs": tokens}])
+  assert got["bound"].shape == got["max_score"].shape == (2, 2 * 4 * 2)   # [L, B·N·tiles]
+  assert np.all(got["bound"] >= got["max_score"]) and got["max_score"].min() > 0
+  assert np.all(got["bound"] <= got["limit"])                 # small magnitudes at init
+  big = jax.tree_util.tree_map(lambda x: x, params)
+  big["block_1"]["attn"]["query"]["kernel"] = params["block_1"]["attn"]["query"]["kernel"] * 1000
+  scaled = analysis.score_bounds(cfg, big, [{"inputs": tokens}])
+  assert np.all(scaled["bound"][1] > scaled["limit"]) and np.all(scaled["bound"][0] <= 64)
+  assert np.all(scaled["bound"] >= scaled["max_score"])
+  with pytest.raises(ValueError, match="pope"):
+    analysis.score_bounds(dataclasses.replace(cfg, pos_encoding="rope"), params,
+                          [{"inputs": tokens}])
+  with pytest.raises(ValueError, match="no batch"):
+    analysis.score_bounds(cfg, params, [])

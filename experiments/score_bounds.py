@@ -1,0 +1,79 @@
+"""How many query tiles of a trained PoPE model the fused kernel's magnitude bound covers.
+
+    python -m experiments.score_bounds                   # CPU default (language_model cpu)
+    python -m experiments.score_bounds --preset smoke    # seconds, for tests
+    python -m experiments.score_bounds --preset h200     # GPT-2-124M shape, Shakespeare (GPU)
+
+Uses the PoPE model of `experiments.language_model` in the same --out (trained first if missing)
+and held-out windows of the validation split (`pope_jax.analysis.score_bounds`). Per layer: the
+share of 128-row query tiles (windows x heads) whose bound on |score| is within the kernel's
+limit (those take `BlockSizes(bounded_softmax=True)`'s softmax without a running max), the
+median and largest bound, and the largest |score| itself (how loose the bound is), all in log2
+units. Outputs: OUT/score_bounds.json, OUT/score_bounds.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from experiments import common
+from experiments import language_model as lm
+from pope_jax import analysis
+from pope_jax.data import text
+
+MAX_WINDOWS = {"paper": 64, "h200": 64, "cpu": 64, "smoke": 2}
+
+
+def run(lm_preset: lm.Preset, out: Path, *, max_windows: int, resume: bool, progress: bool,
+        data_dir: Path | None = None, splits: dict[str, str] | None = None) -> dict:
+  data_dir_used, meta, files = lm.prepare_data(lm_preset, out, data_dir, splits)
+  source = text.TokenWindowSource(data_dir_used / files.get("valid", "valid.bin"),
+                                  lm_preset.seq_len, dtype=meta.get("dtype", "uint16"))
+  n = min(len(source), max_windows)
+  batch = 8
+  _, params, cfg = lm.train_model(lm_preset, "pope", out, resume=resume, progress=progress,
+                                  data_dir=data_dir, splits=splits)
+  batches = ({"inputs": np.stack([source[i]["inputs"] for i in range(s, min(s + batch, n))])}
+             for s in range(0, n, batch))
+  result = analysis.score_bounds(cfg, params, batches)
+  bound, max_score, limit = result["bound"], result["max_score"], result["limit"]
+  rows = [[i, f"{100 * np.mean(bound[i] <= limit):.1f}", f"{np.median(bound[i]):.1f}",
+           f"{bound[i].max():.1f}", f"{max_score[i].max():.1f}"] for i in range(len(bound))]
+  table = common.markdown_table(
+      ["layer", "bounded tiles (%)", "median bound", "max bound", "max |score|"], rows)
+  overall = float(np.mean(bound <= limit))
+  (out / "score_bounds.md").write_text(
+      "# PoPE score bounds of a trained model\n\n"
+      f"{n} validation windows of {lm_preset.seq_len} tokens, {bound.shape[1]} query tiles "
+      f"(windows x heads) per layer. Bounds and scores in log2 units; a tile is bounded when its "
+      f"bound is at most {limit:g}. Bounded overall: {100 * overall:.1f} %.\n\n" + table)
+  record = {"bounded_share": overall,
+            "per_layer": [{"bounded_share": float(np.mean(b <= limit)),
+                           "bound_median": float(np.median(b)), "bound_max": float(b.max()),
+                           "max_score": float(m.max())} for b, m in zip(bound, max_score)],
+            "limit": limit, "windows": n, "seq_len": lm_preset.seq_len,
+            "config": {"lm_preset": lm_preset},
+            "metadata": common.run_metadata(lm_preset.train.seed)}
+  common.write_json(out / "score_bounds.json", record)
+  print(table)
+  print(f"bounded tiles overall: {100 * overall:.1f} %")
+  return record
+
+
+def main(argv: list[str] | None = None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  lm.add_common_flags(parser, "runs/language_model")
+  parser.add_argument("--max-windows", type=int, help="validation windows to measure")
+  args = parser.parse_args(argv)
+  with common.usage_errors(parser):
+    return run(lm.resolve_preset(args), args.out,
+               max_windows=args.max_windows or MAX_WINDOWS[args.preset], resume=args.resume,
+               progress=not args.no_progress, data_dir=args.data_dir,
+               splits=lm.parse_splits(args.splits))
+
+
+if __name__ == "__main__":
+  main()
