@@ -11,8 +11,8 @@ scale. FLOPs: PoPE forward causal = 6·B·N·S²·H/2 (q'k'ᵀ over 2H plus PV o
 forward+backward is counted as 2.5× forward (the usual FlashAttention convention). Ratios are to
 the fastest PoPE baseline row.
 
-  python -m experiments.bench_attention --out results.json [--check [--check-dtypes bfloat16,float16]]
-      [--variants] [--profile]
+  python -m experiments.bench_attention --out results.json [--variants] [--profile]
+      [--check [--check-dtypes bfloat16,float16]]
       [--train-step [--train-batch N] [--logits-dtype compute] [--train-breakdown]]
 
 --check compares the kernel's output and gradients with the float32 XLA reference on small
@@ -194,8 +194,10 @@ def check(names, changes=({},), dtypes=(jnp.bfloat16,)) -> list[dict]:
   """Fused kernel vs the XLA reference on the GPU: max |error| of the output and every grad.
 
   Each entry of `changes` (BlockSizes fields) is applied to the shape's default block sizes and
-  checked as its own row, for each input dtype of `dtypes`; {} is the default path of
-  `pope_attention(implementation="pallas")`. The queries are N(0, 1) scaled by `_tile_scale`.
+  checked as its own row, for each input dtype of `dtypes` (rows other than bfloat16 name their
+  dtype; `bounded_softmax` is bfloat16 only, so under float16 it runs the online softmax); {} is
+  the default path of `pope_attention(implementation="pallas")`. The queries are N(0, 1) scaled
+  by `_tile_scale`.
   """
   results = []
   for name, change, dtype in itertools.product(names, changes, dtypes):
@@ -216,8 +218,10 @@ def check(names, changes=({},), dtypes=(jnp.bfloat16,)) -> list[dict]:
         return (out.astype(jnp.float32) * cot).sum(), out
       return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, delta)
 
+    dtype_name = jnp.dtype(dtype).name
     row = {"name": " ".join([name] + ([str(change)] if change else [])
-                            + ([jnp.dtype(dtype).name] if len(dtypes) > 1 else []))}
+                            + ([dtype_name] if dtype_name != "bfloat16" else [])),
+           "dtype": dtype_name}
     try:
       (_, out), grads = run("pallas")
       (_, ref), ref_grads = run("xla")
@@ -424,6 +428,10 @@ def main():
   parser.add_argument("--skip-bench", action="store_true",
                       help="skip the main tables (e.g. with --check or --variants)")
   args = parser.parse_args()
+  dtypes = [d.strip() for d in args.check_dtypes.split(",") if d.strip()]
+  supported = [d.name for d in kernel.SUPPORTED_DTYPES]
+  if not dtypes or any(d not in supported for d in dtypes):
+    parser.error(f"--check-dtypes {args.check_dtypes!r}: give some of {supported}")
   try:
     import tokamax  # noqa: F401
     with_tokamax = True
@@ -435,8 +443,7 @@ def main():
   print(results, flush=True)
   if args.check:
     changes = [{}] + [json.loads(c) for c in args.check_blocks]
-    results["check"] = check([n for n in SHAPES if n.startswith("check")], changes,
-                             [jnp.dtype(d) for d in args.check_dtypes.split(",")])
+    results["check"] = check([n for n in SHAPES if n.startswith("check")], changes, dtypes)
   if not args.skip_bench:
     results["bench"] = {n: bench_head_dim(n, args.iters, with_tokamax)
                         for n in ("bench_h64", "bench_h128")}

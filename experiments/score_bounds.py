@@ -6,10 +6,10 @@
 
 Uses the PoPE model of `experiments.language_model` in the same --out (trained first if missing)
 and held-out windows of the validation split (`pope_jax.analysis.score_bounds`). Per layer: the
-share of 128-row query tiles (windows x heads) whose bound on |score| is within the kernel's
-limit (those take `BlockSizes(bounded_softmax=True)`'s softmax without a running max), the
-median and largest bound, and the largest |score| itself (how loose the bound is), all in log2
-units. Outputs: OUT/score_bounds.json, OUT/score_bounds.md.
+share of query tiles (windows x heads x 128-row tiles) whose bound on |score| is within the
+kernel's limit (those take `BlockSizes(bounded_softmax=True)`'s softmax without a running max),
+the median and largest bound, and the largest |score| itself (how loose the bound is), all in
+log2 units. Outputs: OUT/score_bounds.json, OUT/score_bounds.md.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import numpy as np
 
 from experiments import common
 from experiments import language_model as lm
+from pallas_kernels.pope_attention import SUPPORTED_HEAD_DIMS
 from pope_jax import analysis
 from pope_jax.data import text
 
@@ -30,8 +31,10 @@ MAX_WINDOWS = {"paper": 64, "h200": 64, "cpu": 64, "smoke": 2}
 def run(lm_preset: lm.Preset, out: Path, *, max_windows: int, resume: bool, progress: bool,
         data_dir: Path | None = None, splits: dict[str, str] | None = None) -> dict:
   data_dir_used, meta, files = lm.prepare_data(lm_preset, out, data_dir, splits)
-  source = text.TokenWindowSource(data_dir_used / files.get("valid", "valid.bin"),
-                                  lm_preset.seq_len, dtype=meta.get("dtype", "uint16"))
+  valid = data_dir_used / files.get("valid", "valid.bin")
+  if not valid.is_file():
+    raise FileNotFoundError(f"validation split {valid} not found (--data-dir, --splits)")
+  source = text.TokenWindowSource(valid, lm_preset.seq_len, dtype=meta.get("dtype", "uint16"))
   n = min(len(source), max_windows)
   batch = 8
   _, params, cfg = lm.train_model(lm_preset, "pope", out, resume=resume, progress=progress,
@@ -43,13 +46,17 @@ def run(lm_preset: lm.Preset, out: Path, *, max_windows: int, resume: bool, prog
   rows = [[i, f"{100 * np.mean(bound[i] <= limit):.1f}", f"{np.median(bound[i]):.1f}",
            f"{bound[i].max():.1f}", f"{max_score[i].max():.1f}"] for i in range(len(bound))]
   table = common.markdown_table(
-      ["layer", "bounded tiles (%)", "median bound", "max bound", "max |score|"], rows)
+      ["layer", "bounded tiles (%)", "median bound", "max bound", "max abs score"], rows)
   overall = float(np.mean(bound <= limit))
+  note = ("" if cfg.head_size in SUPPORTED_HEAD_DIMS else
+          f" (This model's head dim {cfg.head_size} is not one the kernel runs, "
+          f"{SUPPORTED_HEAD_DIMS}: the shares show what the bound would give.)")
   (out / "score_bounds.md").write_text(
       "# PoPE score bounds of a trained model\n\n"
       f"{n} validation windows of {lm_preset.seq_len} tokens, {bound.shape[1]} query tiles "
-      f"(windows x heads) per layer. Bounds and scores in log2 units; a tile is bounded when its "
-      f"bound is at most {limit:g}. Bounded overall: {100 * overall:.1f} %.\n\n" + table)
+      f"(windows x heads x 128-row tiles) per layer. Bounds and scores in log2 units; a tile is "
+      f"bounded when its bound is at most {limit:g}. Bounded overall: {100 * overall:.1f} %."
+      f"{note}\n\n" + table)
   record = {"bounded_share": overall,
             "per_layer": [{"bounded_share": float(np.mean(b <= limit)),
                            "bound_median": float(np.median(b)), "bound_max": float(b.max()),
@@ -68,11 +75,22 @@ def main(argv: list[str] | None = None) -> dict:
   lm.add_common_flags(parser, "runs/language_model")
   parser.add_argument("--max-windows", type=int, help="validation windows to measure")
   args = parser.parse_args(argv)
+  if args.max_windows is not None and args.max_windows < 1:
+    parser.error(f"--max-windows must be at least 1, got {args.max_windows}")
+  if "pope" not in args.encodings.split(","):
+    parser.error(f"--encodings {args.encodings!r}: score_bounds measures the PoPE model")
+  if args.out.is_file():
+    parser.error(f"--out {args.out} is a file, not a folder")
+  if args.data_dir is not None and not args.data_dir.is_dir():
+    parser.error(f"--data-dir {args.data_dir} is not a folder")
+  max_windows = MAX_WINDOWS[args.preset] if args.max_windows is None else args.max_windows
   with common.usage_errors(parser):
-    return run(lm.resolve_preset(args), args.out,
-               max_windows=args.max_windows or MAX_WINDOWS[args.preset], resume=args.resume,
-               progress=not args.no_progress, data_dir=args.data_dir,
-               splits=lm.parse_splits(args.splits))
+    try:
+      return run(lm.resolve_preset(args), args.out, max_windows=max_windows, resume=args.resume,
+                 progress=not args.no_progress, data_dir=args.data_dir,
+                 splits=lm.parse_splits(args.splits))
+    except FileNotFoundError as e:
+      parser.error(str(e))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Analyses of trained models: frequency usage (PoPE §5) and zero-shot length extrapolation.
+"""Analyses of trained models: frequency usage (PoPE §5), zero-shot length extrapolation, and
+how often the fused kernel's score bound holds (`score_bounds`).
 
 Frequency usage: how strongly each layer uses each frequency.
 
@@ -23,6 +24,7 @@ Shape letters: B batch, T length, N heads, H head dim, F frequencies (H/2 RoPE, 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -74,7 +76,8 @@ def frequencies(config: ModelConfig) -> np.ndarray:
   return np.asarray(encodings.rope_frequencies(config.head_size, config.rope_base))
 
 
-def _layer_projections(config: ModelConfig, params: Any, tokens: Array) -> list[tuple[Array, Array]]:
+def _layer_projections(config: ModelConfig, params: Any,
+                       tokens: Array) -> list[tuple[Array, Array]]:
   """Per layer, the raw query and key projections ([B, T, N, H], [B, T, K, H], before
   rotation / softplus) of `tokens` [B, T], in the model's compute dtype."""
   _, state = Transformer(config).apply(
@@ -133,26 +136,29 @@ def score_bounds(config: ModelConfig, params: Any,
                  batches: Iterable[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
   """How often the fused PoPE kernel's magnitude bound lets a query tile skip the running max.
 
-  For each layer, every window of `batches` and every head, the kernel's per-tile bound on the
-  scores (`pallas_kernels.pope_attention.tile_score_bound`, Cauchy-Schwarz on PoPE's Cartesian
-  vectors, in log2 units at the logit scale 1/sqrt(H), over 128-row query tiles of the window
-  zero-padded as the kernel pads it) beside the largest |score| it bounds (every key of the
-  window, causal or not: the bound does not use the mask). A tile is bounded when its bound is
-  at most `pope_attention_fwd.BOUNDED_SCORE_LIMIT`; with `BlockSizes(bounded_softmax=True)`
-  such tiles take P = exp2(scores) with no running max (docs/results/attention_kernel.md,
-  runs 16-18).
+  For each layer, every window of `batches`, every head and every 128-row query tile of the
+  window (zero-padded as the kernel pads it): the kernel's bound on the tile's scores
+  (`pallas_kernels.pope_attention.tile_score_bound`, Cauchy-Schwarz on PoPE's Cartesian vectors)
+  beside the largest |score| it bounds, both in log2 units at the logit scale 1/sqrt(H) (the
+  kernel's units). The largest score is over every key of the window, causal or not, as the
+  bound does not use the mask. The model runs at its default positions, without frequency
+  multipliers, with the XLA reference attention (the bound needs no kernel). A tile is bounded
+  when its bound is at most `pope_attention_fwd.BOUNDED_SCORE_LIMIT`; with
+  `BlockSizes(bounded_softmax=True)` such tiles take P = exp2(scores) with no running max
+  (docs/results/attention_kernel.md, runs 16-18).
 
   Args:
-    config: a PoPE model's config (its attention may use any implementation).
+    config: a PoPE model's config.
     params: its parameters.
-    batches: records batched as {"inputs": int [B, T]}.
+    batches: records batched as {"inputs": int [B, T]}, B, T > 0.
 
   Returns:
-    {"bound": [L, M], "max_score": [L, M]} float32 numpy arrays over the M tiles of all windows
-    and heads, and "limit": the kernel's limit.
+    {"bound": [L, M], "max_score": [L, M]} float32 numpy arrays over the M tiles of all windows,
+    heads and 128-row tiles, and "limit": the kernel's limit.
 
   Raises:
-    ValueError: a config whose pos_encoding is not "pope", or no batch.
+    ValueError: a config whose pos_encoding is not "pope", inputs not of shape [B, T] with
+      B, T > 0, or no batch.
   """
   from pallas_kernels import pope_attention as kernel
   from pallas_kernels._streaming import COMPUTE_WGS
@@ -160,6 +166,7 @@ def score_bounds(config: ModelConfig, params: Any,
 
   if config.pos_encoding != "pope":
     raise ValueError(f"score_bounds needs pos_encoding 'pope', got {config.pos_encoding!r}")
+  config = dataclasses.replace(config, attention_implementation="xla")
   h = config.head_size
   tile_rows = COMPUTE_WGS * default_block_sizes(h).block_q
   log2_scale = 1.0 / (math.sqrt(h) * math.log(2))
@@ -177,7 +184,7 @@ def score_bounds(config: ModelConfig, params: Any,
       a = encodings.pope_cartesian(q, positions, base=config.pope_base,
                                    phase=-encodings.clamp_phase_bias(delta))
       b = encodings.pope_cartesian(k, positions, base=config.pope_base)
-      b = jnp.repeat(b, q.shape[2] // k.shape[2], axis=2)
+      b = jnp.repeat(b, q.shape[2] // k.shape[2], axis=2)                # kv head n // group
       scores = jnp.abs(jnp.einsum("btnd,bsnd->bnts", a, b)).max(-1) * log2_scale   # [B, N, T]
       scores = jnp.pad(scores, ((0, 0), (0, 0), (0, t_pad - t_len)))
       maxima.append(scores.reshape(*scores.shape[:2], -1, tile_rows).max(-1).reshape(-1))
@@ -185,7 +192,11 @@ def score_bounds(config: ModelConfig, params: Any,
 
   bounds, maxima = [], []
   for batch in batches:
-    bound, max_score = per_layer(params, jnp.asarray(batch["inputs"], jnp.int32))
+    tokens = jnp.asarray(batch["inputs"], jnp.int32)
+    if tokens.ndim != 2 or 0 in tokens.shape:
+      raise ValueError(f"score_bounds takes inputs of shape [B, T] with B, T > 0, got "
+                       f"{tokens.shape}")
+    bound, max_score = per_layer(params, tokens)
     bounds.append(np.asarray(bound))
     maxima.append(np.asarray(max_score))
   if not bounds:

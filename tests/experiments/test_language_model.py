@@ -1,5 +1,6 @@
 """Smoke tests of the language-model experiments on Shakespeare: training, length extrapolation
-(with the YaRN baseline and its fine-tune) and frequency usage share one output folder."""
+(with the YaRN baseline and its fine-tune), frequency usage and score bounds share one output
+folder."""
 
 import argparse
 import json
@@ -50,11 +51,22 @@ def test_frequency_usage_smoke(lm_out):
   assert (lm_out / "frequency_usage.png").stat().st_size > 1000
 
 
-def test_score_bounds_smoke(lm_out):
+def test_score_bounds_smoke(lm_out, tmp_path, capsys):
   record = score_bounds.main(["--preset", "smoke", "--out", str(lm_out), "--no-progress"])
   assert len(record["per_layer"]) == 1 and 0.0 <= record["bounded_share"] <= 1.0
+  assert record["windows"] == 2
   assert all(r["bound_max"] >= r["max_score"] > 0 for r in record["per_layer"])
-  assert "bounded tiles" in (lm_out / "score_bounds.md").read_text()
+  assert json.loads((lm_out / "score_bounds.json").read_text())["windows"] == 2
+  lines = (lm_out / "score_bounds.md").read_text().splitlines()
+  header = lines.index(next(l for l in lines if l.startswith("| layer")))
+  assert lines[header].count("|") == lines[header + 1].count("|") == lines[header + 2].count("|")
+  for flags, message in ((["--max-windows", "0"], "--max-windows"),
+                         (["--encodings", "rope"], "--encodings"),
+                         (["--data-dir", str(tmp_path / "none")], "--data-dir"),
+                         (["--data-dir", str(tmp_path)], "valid")):
+    with pytest.raises(SystemExit):
+      score_bounds.main(["--preset", "smoke", "--out", str(lm_out), "--no-progress", *flags])
+    assert message in capsys.readouterr().err
 
 
 def test_two_processes_match_one(lm_out, tmp_path):
