@@ -112,8 +112,8 @@ def _flash(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, blocks:
 
 
 def tile_score_bound(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
-  """An upper bound on |score| over each query tile of `tile_rows` rows and all keys of its kv
-  head, [B, N, T / tile_rows] float32, in the units of `magnitude_scale` (log2 for the kernel).
+  """An upper bound on |score| · `magnitude_scale` over each query tile of `tile_rows` rows and
+  all keys of its kv head, [B, N, T / tile_rows] float32 (log2 units for the kernel's scale).
 
   The Cartesian PoPE vectors have the magnitudes' norms, |q'_t| = |softplus(q_t)| (PoPE Eq.
   7-10), so by Cauchy-Schwarz every score is bounded: |a_ts| <= scale · max_t |softplus(q_t)|
@@ -122,7 +122,8 @@ def tile_score_bound(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
   the norms without a transcendental per element (two reductions over q and k, at memory speed).
 
   Args:
-    q: [B, T, N, H] raw queries, T a multiple of tile_rows; k: [B, S, K, H] raw keys.
+    q: [B, T, N, H] raw queries, T a multiple of tile_rows; k: [B, S, K, H] raw keys, N a
+      multiple of K (query head n reads kv head n // (N / K)).
     magnitude_scale: the factor of the scores (for the kernel, the logit scale times log2 e).
     tile_rows: query rows per tile.
   """

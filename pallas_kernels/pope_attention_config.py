@@ -72,11 +72,11 @@ class BlockSizes:
       handshakes (the two warpgroups side by side), the others keep them. Off by default: on
       the H200 (docs/results, run 17) with every tile bounded (N(0, 1) inputs) the forward was
       3.6-7.9 % faster at H = 64 and 2.7-4.7 % at H = 128; with none bounded (queries ×8) 6.8 %
-      slower at H = 64 and 3.0-5.7 % at H = 128, the cost of the bound's XLA reductions (about
-      0.025 ms of device time at H = 64, 0.045 at H = 128; run 18). A GPT-2-124M-shaped PoPE language
-      model trained on Shakespeare had 43.8 % of its tiles bounded (2.9 % in its last layer;
-      run 18 D): measure a model's share with `experiments.score_bounds` before turning this
-      on. Not with `overlap`.
+      slower at H = 64 and 3.0-5.7 % at H = 128, the cost of the bound's XLA reductions
+      (about 0.025 ms of device time at H = 64, 0.045 at H = 128; run 18). A GPT-2-124M-shaped
+      PoPE language model trained on Shakespeare had 43.8 % of its tiles bounded (2.9 % in its
+      last layer; run 18 D): measure a model's share with `experiments.score_bounds` before
+      turning this on. Not with `overlap`.
     persistent: launch at most one CTA per SM, each looping over its share of the resident
       tiles, instead of one CTA per tile. The memory warpgroup streams the next tile's first
       keys (or queries) while the compute warpgroups finish a tile, and the forward loads the
