@@ -13,8 +13,9 @@ class BlockSizes:
   """Tile sizes of the forward, dq and dk/dv kernels.
 
   Each kernel runs two compute warpgroups per CTA, each owning one resident tile of `block_*`
-  rows at a time (several in turn when `persistent`), and one memory warpgroup that streams the other operand through a pipeline of SMEM
-  slots (`stages` in the backward kernels, `stages_fwd` in the forward).
+  rows at a time (several in turn when `persistent`), and one memory warpgroup that streams the
+  other operand through a pipeline of SMEM slots (`stages` in the backward kernels,
+  `stages_fwd` in the forward).
 
   Attributes:
     block_q, block_kv: forward query rows per warpgroup / streamed key rows per step.
