@@ -9,7 +9,8 @@ and held-out windows of the validation split (`pope_jax.analysis.score_bounds`).
 share of query tiles (windows x heads x 128-row tiles) whose bound on |score| is within the
 kernel's limit (those take `BlockSizes(bounded_softmax=True)`'s softmax without a running max),
 the median and largest bound, and the largest |score| itself (how loose the bound is), all in
-log2 units. Outputs: OUT/score_bounds.json, OUT/score_bounds.md.
+log2 units. Outputs: OUT/score_bounds.json, OUT/score_bounds.md, OUT/score_bounds.png (per layer:
+the bounded share; the median and largest bound beside the largest |score| and the limit).
 """
 
 from __future__ import annotations
@@ -65,9 +66,32 @@ def run(lm_preset: lm.Preset, out: Path, *, max_windows: int, resume: bool, prog
             "config": {"lm_preset": lm_preset},
             "metadata": common.run_metadata(lm_preset.train.seed)}
   common.write_json(out / "score_bounds.json", record)
+  plot(record, out / "score_bounds.png")
   print(table)
   print(f"bounded tiles overall: {100 * overall:.1f} %")
   return record
+
+
+def plot(record: dict, path: Path) -> None:
+  """The per-layer figures of a `run` record (also of a saved score_bounds.json) as a PNG."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  layers = np.arange(len(record["per_layer"]))
+  get = lambda key: [r[key] for r in record["per_layer"]]
+  fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+  left.bar(layers, [100 * s for s in get("bounded_share")], color="tab:blue")
+  left.set(xlabel="layer", ylabel="bounded query tiles (%)", ylim=(0, 100),
+           title=f"bounded overall: {100 * record['bounded_share']:.1f} %")
+  right.plot(layers, get("bound_median"), "o-", label="median bound")
+  right.plot(layers, get("bound_max"), "s-", label="largest bound")
+  right.plot(layers, get("max_score"), "^-", label="largest |score|")
+  right.axhline(record["limit"], color="k", linestyle="--", label="kernel's limit")
+  right.set(xlabel="layer", ylabel="log2 units", title="bound and scores")
+  right.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> dict:

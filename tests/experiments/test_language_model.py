@@ -57,6 +57,7 @@ def test_score_bounds_smoke(lm_out, tmp_path, capsys):
   assert record["windows"] == 2
   assert all(r["bound_max"] >= r["max_score"] > 0 for r in record["per_layer"])
   assert json.loads((lm_out / "score_bounds.json").read_text())["windows"] == 2
+  assert (lm_out / "score_bounds.png").stat().st_size > 1000
   lines = (lm_out / "score_bounds.md").read_text().splitlines()
   header = lines.index(next(l for l in lines if l.startswith("| layer")))
   assert lines[header].count("|") == lines[header + 1].count("|") == lines[header + 2].count("|")
