@@ -23,7 +23,6 @@ import numpy as np
 from experiments import common
 from experiments import language_model as lm
 from pope_jax import analysis
-from pope_jax.data import text
 
 MAX_WINDOWS = {"paper": 64, "h200": 64, "cpu": 64, "smoke": 2}
 
@@ -36,18 +35,12 @@ def high_frequency_share(usage: np.ndarray) -> np.ndarray:
 
 def run(lm_preset: lm.Preset, out: Path, *, max_windows: int, resume: bool, progress: bool,
         data_dir: Path | None = None, splits: dict[str, str] | None = None) -> dict:
-  data_dir_used, meta, files = lm.prepare_data(lm_preset, out, data_dir, splits)
-  source = text.TokenWindowSource(data_dir_used / files.get("valid", "valid.bin"),
-                                  lm_preset.seq_len, dtype=meta.get("dtype", "uint16"))
-  n = min(len(source), max_windows)
-  batch = 8
+  n, batches = lm.validation_batches(lm_preset, out, data_dir, splits, max_windows)
   usage = {}
   for enc in ("rope", "pope"):
     _, params, cfg = lm.train_model(lm_preset, enc, out, resume=resume, progress=progress,
                                     data_dir=data_dir, splits=splits)
-    batches = ({k: np.stack([source[i][k] for i in range(s, min(s + batch, n))])
-                for k in ("inputs", "weights")} for s in range(0, n, batch))
-    usage[enc] = analysis.frequency_usage(cfg, params, batches)
+    usage[enc] = analysis.frequency_usage(cfg, params, batches())
   rows = []
   for enc, u in usage.items():
     for which in ("query", "key"):

@@ -30,6 +30,7 @@ from typing import Any
 import flax.serialization
 import jax
 from jax.experimental import multihost_utils
+import numpy as np
 
 from experiments import common
 from pope_jax.config import MODEL_PRESETS, ModelConfig, TrainConfig
@@ -107,6 +108,29 @@ def prepare_data(preset: Preset, out: Path, data_dir: Path | None = None,
   meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
   return data_dir, meta, splits or meta.get("files") or {"train": "train.bin",
                                                          "valid": "valid.bin"}
+
+
+def validation_batches(preset: Preset, out: Path, data_dir: Path | None,
+                       splits: dict[str, str] | None, max_windows: int, batch: int = 8):
+  """(n, batches): the first n = min(windows, max_windows) windows of the validation split and a
+  function returning a fresh iterator over them as {"inputs", "weights"} numpy batches.
+
+  Raises:
+    FileNotFoundError: no validation split file (naming it).
+  """
+  data_dir_used, meta, files = prepare_data(preset, out, data_dir, splits)
+  valid = data_dir_used / files.get("valid", "valid.bin")
+  if not valid.is_file():
+    raise FileNotFoundError(f"validation split {valid} not found (--data-dir, --splits)")
+  source = text.TokenWindowSource(valid, preset.seq_len, dtype=meta.get("dtype", "uint16"))
+  n = min(len(source), max_windows)
+
+  def batches():
+    for start in range(0, n, batch):
+      recs = [source[i] for i in range(start, min(start + batch, n))]
+      yield {k: np.stack([r[k] for r in recs]) for k in ("inputs", "weights")}
+
+  return n, batches
 
 
 def model_config(preset: Preset, encoding: str, meta: dict) -> ModelConfig:

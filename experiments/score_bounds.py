@@ -24,25 +24,16 @@ from experiments import common
 from experiments import language_model as lm
 from pallas_kernels.pope_attention import SUPPORTED_HEAD_DIMS
 from pope_jax import analysis
-from pope_jax.data import text
 
 MAX_WINDOWS = {"paper": 64, "h200": 64, "cpu": 64, "smoke": 2}
 
 
 def run(lm_preset: lm.Preset, out: Path, *, max_windows: int, resume: bool, progress: bool,
         data_dir: Path | None = None, splits: dict[str, str] | None = None) -> dict:
-  data_dir_used, meta, files = lm.prepare_data(lm_preset, out, data_dir, splits)
-  valid = data_dir_used / files.get("valid", "valid.bin")
-  if not valid.is_file():
-    raise FileNotFoundError(f"validation split {valid} not found (--data-dir, --splits)")
-  source = text.TokenWindowSource(valid, lm_preset.seq_len, dtype=meta.get("dtype", "uint16"))
-  n = min(len(source), max_windows)
-  batch = 8
+  n, batches = lm.validation_batches(lm_preset, out, data_dir, splits, max_windows)
   _, params, cfg = lm.train_model(lm_preset, "pope", out, resume=resume, progress=progress,
                                   data_dir=data_dir, splits=splits)
-  batches = ({"inputs": np.stack([source[i]["inputs"] for i in range(s, min(s + batch, n))])}
-             for s in range(0, n, batch))
-  result = analysis.score_bounds(cfg, params, batches)
+  result = analysis.score_bounds(cfg, params, batches())
   bound, max_score, limit = result["bound"], result["max_score"], result["limit"]
   rows = [[i, f"{100 * np.mean(bound[i] <= limit):.1f}", f"{np.median(bound[i]):.1f}",
            f"{bound[i].max():.1f}", f"{max_score[i].max():.1f}"] for i in range(len(bound))]
