@@ -24,6 +24,12 @@ from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
 from pallas_kernels.pope_attention_fwd import cartesian_halves, forward_stages
 from pope_jax import attention, encodings
 
+# The Mosaic GPU interpreter sometimes deadlocks on a 2-core machine (its warpgroups run as
+# threads; seen once in four full runs on 2026-12-02, in the fp16 dq kernel; the same inputs pass
+# on a rerun). A test that stops making progress is ended (pytest-timeout) and run again in a
+# fresh worker (pytest-rerunfailures); a real failure still fails, after three tries.
+pytestmark = [pytest.mark.timeout(300, method="thread"), pytest.mark.flaky(reruns=2)]
+
 # (B, N, K, H): kernel-shape families; lengths vary freely inside each. GQA with two kv heads
 # (H = 32) and with one (H = 128), batch 2 (H = 64), two heads without GQA (H = 64); few heads, as
 # the interpreter's time grows with the resident tiles (CI time).
@@ -86,6 +92,7 @@ def _cases(draw):
   return family, t_len, s_len, is_causal, draw(hst.integers(0, 2**16))
 
 
+@pytest.mark.timeout(1500, method="thread")  # 50 draws: 282 s alone on 2 cores
 @settings(max_examples=50, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(_cases())
