@@ -59,6 +59,12 @@ SHAPES: dict[str, AttentionShape] = {
     "check_h32_v96_gqa": AttentionShape(batch=1, q_len=130, k_len=260, num_heads=4,
                                         num_kv_heads=1, head_dim=32, value_dim=96,
                                         is_causal=False),
+    # More resident tiles than the H200's 132 SMs: each persistent CTA runs two or three (the
+    # query prefetch, `BlockSizes.map_ahead` and the ring of slots across tiles).
+    "check_h64_persistent": AttentionShape(batch=2, q_len=3000, k_len=3000, num_heads=8,
+                                           num_kv_heads=2, head_dim=64, value_dim=64),
+    "check_h32_persistent": AttentionShape(batch=1, q_len=2100, k_len=2500, num_heads=16,
+                                           num_kv_heads=4, head_dim=32, value_dim=32),
     # KV-cache decoding: one query after 700 keys; the second warpgroup's rows are all padding.
     "check_h64_decode": AttentionShape(batch=2, q_len=1, k_len=700, num_heads=8, num_kv_heads=2,
                                        head_dim=64, value_dim=64),
