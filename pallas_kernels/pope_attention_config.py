@@ -49,15 +49,6 @@ class BlockSizes:
       alone (two stages) 2.7 % faster at H = 128 and 4.3 % at H = 64 in one call; with the
       third forward stage it makes room for at H = 128, 4.6-5.8 % faster at H = 128 and
       within noise to 6 % at H = 64 over three calls.
-    map_ahead: forward only: each compute warpgroup maps the next query tile of its CTA to
-      the Cartesian form (`pope_attention_fwd.cartesian_halves`: softplus, two angles' cos and
-      sin, four SFU results per element) during the current tile's first steps, one chunk of
-      `pope_attention_fwd.MAP_CHUNK_COLS` query columns per step, between the issue of QKᵀ and
-      its wait (under ping-pong, while the other warpgroup runs its softmax), into an SMEM tile
-      that the next tile loads into registers. Without it each tile's map runs before its
-      first step, with the tensor cores idle (5.6 % of the compute warpgroups' time at H = 64,
-      6.8 % at H = 128, docs/results run 12). Only with `a_in_registers` and without `overlap`;
-      otherwise the map runs at the start of each tile.
     overlap_bwd: dq and dk/dv kernels: each step issues S and dP together, computes P while dP
       is on the tensor cores and issues P's updates (dv) before awaiting dP
       (`_streaming.gradient_step`, the order of FlashAttention-3's backward), instead of
@@ -111,7 +102,6 @@ class BlockSizes:
   ping_pong: bool = True
   overlap: bool = False
   a_in_registers: bool = True
-  map_ahead: bool = False
   overlap_bwd: bool = False
   split_dkv: bool = False
   persistent: bool = True
@@ -124,8 +114,8 @@ class BlockSizes:
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"BlockSizes.{field} must be an int, got {value!r}")
-    for field in ("ping_pong", "overlap", "a_in_registers", "map_ahead", "overlap_bwd",
-                  "split_dkv", "persistent", "row_sum_mma", "bounded_softmax"):
+    for field in ("ping_pong", "overlap", "a_in_registers", "overlap_bwd", "split_dkv",
+                  "persistent", "row_sum_mma", "bounded_softmax"):
       if not isinstance(getattr(self, field), bool):
         raise TypeError(f"BlockSizes.{field} must be a bool, got {getattr(self, field)!r}")
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",

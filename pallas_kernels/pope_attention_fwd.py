@@ -40,8 +40,6 @@ BOUNDED_SCORE_LIMIT = 64.0
 # Width of the ones tile and of the row-sum accumulator of `BlockSizes.row_sum_mma`: the
 # narrowest wgmma B operand (a 32-byte swizzle of 16-bit elements).
 ROW_SUM_COLS = 16
-# Query columns per chunk of `BlockSizes.map_ahead` (each chunk's tiles are 32-byte swizzled).
-MAP_CHUNK_COLS = 16
 
 
 def cartesian_halves(x, pos, freq, phase, magnitude_scale: float, dtype):
@@ -80,43 +78,27 @@ def bounded_softmax(blocks: BlockSizes, dtype) -> bool:
   return blocks.bounded_softmax and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
 
 
-def maps_ahead(blocks: BlockSizes) -> bool:
-  """Whether the forward maps each next query tile during the current one
-  (`BlockSizes.map_ahead`; it needs `a_in_registers` and the plain or ping-pong schedule)."""
-  return blocks.map_ahead and blocks.a_in_registers and not blocks.overlap
-
-
 def _q_in_o(blocks: BlockSizes, h: int, vd: int) -> bool:
   # Without `persistent`, the query tile is staged in the output tile's SMEM when the two have
   # one width (the output is written only after the last step), which leaves room for a third
   # stage at H = 128. A persistent CTA loads the next item's queries while it runs this one, so
   # they get their own buffer. The CPU interpreter runs persistent launches as one tile per CTA
   # (`_streaming.num_sms`) and with this layout too (docs/results, run 15).
-  return h == vd and not (blocks.persistent and not st.interpreted()) and not maps_ahead(blocks)
+  return h == vd and not (blocks.persistent and not st.interpreted())
 
 
 def _a_in_smem(blocks: BlockSizes, h: int, vd: int, save_a: bool) -> bool:
   # The Cartesian query tile a has its own SMEM tile when it is QKᵀ's SMEM operand, or when it
   # is saved and cannot pass through the output tile's (2 halves of width H = V).
-  return not blocks.a_in_registers or (save_a and h != vd) or maps_ahead(blocks)
-
-
-def _query_chunks(blocks: BlockSizes, h: int) -> int:
-  """TMA copies of a raw query tile: one, or one per MAP_CHUNK_COLS columns (`map_ahead`)."""
-  return h // MAP_CHUNK_COLS if maps_ahead(blocks) else 1
+  return not blocks.a_in_registers or (save_a and h != vd)
 
 
 def _scratch(blocks: BlockSizes, stages: int, h: int, vd: int, dtype, save_a: bool) -> list:
   """The forward kernel's SMEM buffers and barriers, in the kernel's argument order."""
   bq, bk, d, wgs = blocks.block_q, blocks.block_kv, 2 * h, st.COMPUTE_WGS
   tf = st.tile_transforms()
-  if maps_ahead(blocks):  # a as [cos chunks, sin chunks], each [bq, MAP_CHUNK_COLS]
-    scratch = [plgpu.SMEM((wgs, 2 * h // MAP_CHUNK_COLS, bq, MAP_CHUNK_COLS), dtype,
-                          transforms=st.tile_transforms(MAP_CHUNK_COLS))]
-  elif _a_in_smem(blocks, h, vd, save_a):
-    scratch = [plgpu.SMEM((wgs, bq, d), dtype, transforms=tf)]
-  else:
-    scratch = []
+  scratch = [plgpu.SMEM((wgs, bq, d), dtype, transforms=tf)] if _a_in_smem(
+      blocks, h, vd, save_a) else []
   scratch += [
       plgpu.SMEM((wgs, bq, vd), dtype, transforms=tf),
       plgpu.SMEM((wgs, bq), jnp.float32),
@@ -126,16 +108,13 @@ def _scratch(blocks: BlockSizes, stages: int, h: int, vd: int, dtype, save_a: bo
       plgpu.SMEM((stages, bk, d), dtype, transforms=tf),
       plgpu.SMEM((stages, bk, vd), dtype, transforms=tf),
       plgpu.SMEM((stages, bk), jnp.float32),
-      plgpu.Barrier(num_arrivals=2 + _query_chunks(blocks, h), num_barriers=wgs),
+      plgpu.Barrier(num_arrivals=3, num_barriers=wgs),
       plgpu.Barrier(num_barriers=wgs),
       st.ready_barrier(stages, 3),
       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
       plgpu.Barrier(num_arrivals=wgs),
   ]
-  if maps_ahead(blocks):  # the raw queries in the same chunks
-    scratch.append(plgpu.SMEM((wgs, h // MAP_CHUNK_COLS, bq, MAP_CHUNK_COLS), dtype,
-                              transforms=st.tile_transforms(MAP_CHUNK_COLS)))
-  elif not _q_in_o(blocks, h, vd):
+  if not _q_in_o(blocks, h, vd):
     scratch.append(plgpu.SMEM((wgs, bq, h), dtype, transforms=st.tile_transforms(h)))
   if blocks.row_sum_mma:
     scratch.append(plgpu.SMEM((wgs, bk, ROW_SUM_COLS), dtype,
@@ -196,8 +175,6 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
   n_tiles = t_len // (st.COMPUTE_WGS * bq)
   grid = schedule.shape[0]
   q_in_o, a_in_smem = _q_in_o(blocks, h, vd), _a_in_smem(blocks, h, vd, save_a)
-  ahead, chunk = maps_ahead(blocks), MAP_CHUNK_COLS
-  n_chunks = h // chunk
 
   # The CPU interpreter runs each warpgroup as its own XLA:CPU execution, and on a 2-core machine
   # not all of them start at once. Two ways this can hang there, both seen under jit:
@@ -237,43 +214,13 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
         angles' positions and θ, -δ (to q_bar), and the masking positions (to qpos_bar)."""
         batch, head, tile = tile_of(item)
         rows = pl.ds((tile * st.COMPUTE_WGS + wg) * bq, bq)
-        if ahead:
-          for c in range(n_chunks):
-            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head, pl.ds(c * chunk, chunk)],
-                                    q_smem.at[wg, c], q_bar.at[wg])
-        else:
-          plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[wg], q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[wg], q_bar.at[wg])
         plgpu.copy_gmem_to_smem(rot_ref.at[head], rot_smem.at[wg], q_bar.at[wg])
         plgpu.copy_gmem_to_smem(qang_ref.at[batch, rows], qang_smem.at[wg], q_bar.at[wg])
         plgpu.copy_gmem_to_smem(qpos_ref.at[batch, rows], qpos_smem.at[wg], qpos_bar.at[wg])
 
-      def map_chunk(c):
-        """`map_ahead`: maps columns [c·chunk, (c+1)·chunk) of the query tile in q_smem (the next
-        item's) into a_smem's chunks c (μ cos φ) and n_chunks + c (μ sin φ). Chunk 0 first
-        waits for the tile's copies and for the store of a_smem's previous tile to have read it.
-        """
-        @pl.when(c == 0)
-        def _wait():
-          with jax.named_scope("wait_q"):
-            plgpu.barrier_wait(q_bar.at[wg])
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-        cols = pl.ds(c * chunk, chunk)
-        with jax.named_scope("query_map"):
-          halves = cartesian_halves(
-              plgpu.load(q_smem.at[wg, c], layout=plgpu.Layout.WGMMA),
-              st.row_vector(qang_smem.at[wg], 0), st.row_vector(rot_smem.at[wg, 0, cols], 1),
-              st.row_vector(rot_smem.at[wg, 1, cols], 1), magnitude_scale, dtype)
-          a_smem.at[wg, c][...] = halves[0]
-          a_smem.at[wg, n_chunks + c][...] = halves[1]
-
-      def map_chunks(lo, hi):
-        lax.fori_loop(lo, hi, lambda c, _: map_chunk(c), None)
-
       if not q_in_o:
         load_queries(item_of(0))
-      if ahead:  # the first item's tile; each item maps the next one's (`item_body`)
-        map_chunks(0, n_chunks)
       if ones_smem is not None:  # P @ 1: the row sums of P (`BlockSizes.row_sum_mma`)
         ones_smem.at[wg][...] = plgpu.layout_cast(jnp.ones((bk, ROW_SUM_COLS), dtype),
                                                   plgpu.Layout.WGMMA)
@@ -301,22 +248,17 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
         if q_in_o:  # The previous item's output store must have read the tile first.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           load_queries(item)
-        if ahead:  # mapped while the previous item ran (or before the first)
-          a = plgpu.layout_cast(jnp.concatenate(
-              [plgpu.load(a_smem.at[wg, i], layout=plgpu.Layout.WGMMA)
-               for i in range(2 * n_chunks)], axis=1), plgpu.Layout.WGMMA)
-        else:
-          with jax.named_scope("wait_q"):
-            plgpu.barrier_wait(q_bar.at[wg])
-          with jax.named_scope("query_map"):
-            halves = cartesian_halves(
-                plgpu.load(q_smem.at[wg], layout=plgpu.Layout.WGMMA),
-                st.row_vector(qang_smem.at[wg], 0), st.row_vector(rot_smem.at[wg, 0], 1),
-                st.row_vector(rot_smem.at[wg, 1], 1), magnitude_scale, dtype)
-            a = plgpu.layout_cast(jnp.concatenate(halves, axis=1), plgpu.Layout.WGMMA)
+        with jax.named_scope("wait_q"):
+          plgpu.barrier_wait(q_bar.at[wg])
+        with jax.named_scope("query_map"):
+          halves = cartesian_halves(
+              plgpu.load(q_smem.at[wg], layout=plgpu.Layout.WGMMA),
+              st.row_vector(qang_smem.at[wg], 0), st.row_vector(rot_smem.at[wg, 0], 1),
+              st.row_vector(rot_smem.at[wg, 1], 1), magnitude_scale, dtype)
+          a = plgpu.layout_cast(jnp.concatenate(halves, axis=1), plgpu.Layout.WGMMA)
         plgpu.barrier_wait(qpos_bar.at[wg])
         qpos = st.row_vector(qpos_smem.at[wg], 0)
-        if a_smem is not None and not ahead:  # (after the previous item's store of a read it)
+        if a_smem is not None:  # (after the previous item's store of a has read it)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           a_smem.at[wg][...] = a
         if a_smem is not None or not q_in_o:
@@ -325,11 +267,7 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
           plgpu.commit_smem()
         if not q_in_o:
           pl.when(j + 1 < count)(lambda: load_queries(item_of(j + 1)))
-        if save_a and ahead:
-          for i in range(2 * n_chunks):
-            plgpu.copy_smem_to_gmem(a_smem.at[wg, i],
-                                    a_ref.at[batch, rows, head, pl.ds(i * chunk, chunk)])
-        elif save_a and a_smem is not None:
+        if save_a and a_smem is not None:
           plgpu.copy_smem_to_gmem(a_smem.at[wg], a_ref.at[batch, rows, head])
         elif save_a:  # Each half through the output tile's SMEM (free until the final store,
           # which waits for the second half's copy to have read it).
@@ -342,20 +280,6 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
         a_lhs = a if blocks.a_in_registers else a_smem.at[wg]
         ranges = st.read_ranges(tab_ref, batch, tile, wg)
         origin = ranges[0] - base  # this item's first step is the ring's step `base`
-        has_next = j + 1 < count
-
-        def map_next(s):
-          """`map_ahead`: step s of this item maps chunk s - u_lo of the next item's queries."""
-          if ahead:
-            c = s - ranges[0]
-            pl.when(has_next & (c < n_chunks))(lambda: map_chunk(c))
-
-        def after_issue(s, pp):
-          """Between QKᵀ's issue and its wait: this step's chunk of the next query map (while
-          the tensor cores run), then under ping-pong (`pp`) the handshake."""
-          map_next(s)
-          if pp:
-            handshake()
 
         @jax.named_scope("wait_kv")
         def wait_step(s):
@@ -414,7 +338,6 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
 
         def skip(s, carry, pp=ping_pong):
           plgpu.barrier_arrive(consumed.at[wait_step(s)])
-          map_next(s)
           if pp:
             handshake()
             handshake()
@@ -429,7 +352,7 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
           acc, m_i, l_i = carry
           slot = wait_step(s)
           with jax.named_scope("qk"):
-            s_blk = st.matmul(*scores(slot), then=functools.partial(after_issue, s, pp))
+            s_blk = st.matmul(*scores(slot), then=handshake if pp else None)
           m_i, l_i, p, alpha = softmax(s_blk, m_i, l_i, slot, mode, bounded=bounded)
           if alpha is not None:
             acc = rescale(acc, alpha)
@@ -511,9 +434,6 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[batch, rows, head])
           plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, rows])
-        if ahead:  # the chunks this item had no step for
-          pl.when(has_next)(lambda: map_chunks(jnp.minimum(ranges[1] - ranges[0], n_chunks),
-                                               n_chunks))
         if ping_pong:  # the end of a run of ping-pong items
           pl.when((wg == 0) & ~bounded_item & ((j == count - 1) | is_bounded(j + 1)))(handshake)
         return base + ranges[1] - ranges[0]
@@ -530,8 +450,7 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
   st.check_smem(scratch, "forward", f"at {stages} stages (BlockSizes.stages_fwd="
                 f"{blocks.stages_fwd}, stages={blocks.stages}) lower stages_fwd (or stages when "
                 "it is None), block_kv or block_q"
-                + ("" if blocks.a_in_registers else ", or set a_in_registers")
-                + (", or set map_ahead=False" if maps_ahead(blocks) else ""))
+                + ("" if blocks.a_in_registers else ", or set a_in_registers"))
   out_type = (jax.ShapeDtypeStruct((bsz, t_len, n_heads, vd), dtype),
               jax.ShapeDtypeStruct((bsz, n_heads, t_len), jnp.float32))
   if save_a:

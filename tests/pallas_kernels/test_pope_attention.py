@@ -292,22 +292,6 @@ def test_dk_dv_in_one_or_two_launches(head_dim, split_dkv, a_in_registers):
   _assert_close(got, _value_and_grads("xla", q, k, v, delta, cot, is_causal=True))
 
 
-@pytest.mark.parametrize("head_dim, value_dim", [(64, 64), (32, 96)])
-def test_map_ahead_forward_and_grads(head_dim, value_dim):
-  # `map_ahead`: the query tile mapped in MAP_CHUNK_COLS-column chunks into SMEM, loaded from
-  # there as QKᵀ's register operand and saved from there for the backward (V = H and V != H).
-  # The interpreter runs one tile per CTA (`_streaming.num_sms`), so the chunks here run before
-  # the first step; the map of a next tile during a tile's steps runs on the GPU
-  # (experiments.bench_attention --check, the *_persistent shapes).
-  q, k, v, delta, cot = _problem((1, 2, 1, head_dim), 90, 120, seed=11)
-  v = jnp.tile(v, (1, 1, 1, 3))[..., :value_dim]
-  cot = jax.random.normal(jax.random.key(3), (1, 90, 2, value_dim), jnp.float32)
-  blocks = dataclasses.replace(default_block_sizes(head_dim), map_ahead=True)
-
-  got = _kernel_value_and_grads(blocks, q, k, v, delta, cot, is_causal=True)
-  _assert_close(got, _value_and_grads("xla", q, k, v, delta, cot, is_causal=True))
-
-
 @pytest.mark.parametrize("head_dim, persistent, is_causal", [
     (64, True, True), (64, False, True), (32, True, False)])
 def test_persistent_launch_over_tiles(head_dim, persistent, is_causal):
@@ -360,8 +344,6 @@ def test_item_schedule_balances_causal_tiles(monkeypatch):
     (BlockSizes(block_kv=64, a_in_registers=False, overlap=True, ping_pong=False,
                 stages_fwd=2), False),
     (BlockSizes(block_kv=64, stages_fwd=2), True),
-    (BlockSizes(block_kv=64, map_ahead=True), True),
-    (BlockSizes(block_kv=128, map_ahead=True), False),
     (BlockSizes(block_kv=64, row_sum_mma=True), True),
     (BlockSizes(block_kv=128, row_sum_mma=True, a_in_registers=False), False),
 ])
@@ -446,9 +428,6 @@ def test_block_size_defaults_and_types():
   assert default_block_sizes(128).overlap_bwd and not default_block_sizes(64).overlap_bwd
   assert not default_block_sizes(64).bounded_softmax and not default_block_sizes(128).bounded_softmax
   assert default_block_sizes(128).row_sum_mma and not default_block_sizes(64).row_sum_mma
-  assert not default_block_sizes(64).map_ahead and not default_block_sizes(128).map_ahead
-  with pytest.raises(TypeError, match="map_ahead"):
-    BlockSizes(map_ahead=1)
   with pytest.raises(TypeError, match="overlap_bwd"):
     BlockSizes(overlap_bwd=1)
   with pytest.raises(TypeError, match="split_dkv"):
