@@ -60,7 +60,7 @@ SHAPES: dict[str, AttentionShape] = {
                                         num_kv_heads=1, head_dim=32, value_dim=96,
                                         is_causal=False),
     # More resident tiles than the H200's 132 SMs: each persistent CTA runs two or three (the
-    # query prefetch, `BlockSizes.map_ahead` and the ring of slots across tiles).
+    # next tile's query prefetch and the ring of slots across tiles).
     "check_h64_persistent": AttentionShape(batch=2, q_len=3000, k_len=3000, num_heads=8,
                                            num_kv_heads=2, head_dim=64, value_dim=64),
     "check_h32_persistent": AttentionShape(batch=1, q_len=2100, k_len=2500, num_heads=16,
