@@ -117,7 +117,15 @@ def _pope_xla(q, k, v, delta):
   return attention.pope_attention(q, k, v, delta, is_causal=True, implementation="xla")
 
 
-def _pope_pallas(q, k, v, delta, blocks: BlockSizes | None = None):
+def _pope_pallas(q, k, v, delta, blocks: BlockSizes | None = None,
+                 traced_positions: bool = False):
+  """Our kernel; `traced_positions` passes the default positions as arrays traced with the call
+  (as `jnp.arange` under jit gives), so the kernels' position tables run in every call instead
+  of at trace time."""
+  if traced_positions:
+    t_len, s_len = q.shape[1], k.shape[1]
+    pos = dict(q_positions=jnp.arange(s_len - t_len, s_len), k_positions=jnp.arange(s_len))
+    return kernel.pope_attention(q, k, v, delta, is_causal=True, block_sizes=blocks, **pos)
   if blocks is None:
     return attention.pope_attention(q, k, v, delta, is_causal=True, implementation="pallas")
   return kernel.pope_attention(q, k, v, delta, is_causal=True, block_sizes=blocks)
@@ -244,16 +252,14 @@ def check_failures(rows: list[dict], tol: float) -> list[str]:
           if "error" in row or not all(row[k] <= tol for k in keys)]
 
 
-# (shape, query scale, changes to the head dim's `default_block_sizes`; {} is the default). At
-# query scale 8 PoPE's magnitude bound fails on every tile (`bounded_softmax`'s miss case);
-# "tiles" scales every other 128-row tile by `_tile_scale`'s factor (half the items bounded).
-_BOUNDED_AB = [{"bounded_softmax": False}, {"bounded_softmax": True}]
+# (shape, query scale, changes to the head dim's `default_block_sizes`; {} is the default; the
+# key "traced_positions" is `_pope_pallas`' argument, not a block size). At query scale 8
+# PoPE's magnitude bound fails on every tile (`bounded_softmax`'s miss case); "tiles" scales
+# every other 128-row tile by `_tile_scale`'s factor (half the items bounded).
+_POSITIONS_AB = [{}, {"traced_positions": True}]
 VARIANTS = [
-    ("bench_h64", 1.0, _BOUNDED_AB * 2),
-    ("bench_h64", 8.0, _BOUNDED_AB * 2),
-    ("bench_h64", "tiles", _BOUNDED_AB),
-    ("bench_h128", 1.0, _BOUNDED_AB * 2),
-    ("bench_h128", 8.0, _BOUNDED_AB * 2),
+    ("bench_h64", 1.0, _POSITIONS_AB * 3),
+    ("bench_h128", 1.0, _POSITIONS_AB * 2),
 ]
 
 
@@ -264,12 +270,15 @@ def variants(iters: int) -> list[dict]:
     q, *rest = _inputs(shape)
     scale = _tile_scale(q.shape[1]) if q_scale == "tiles" else jnp.asarray(q_scale, q.dtype)
     args = (q * scale, *rest)
-    configs = [dataclasses.replace(default_block_sizes(shape.head_dim), **c) for c in changes]
     default_out = np.asarray(jax.jit(_pope_pallas)(*args), np.float32)
     default_grads = [np.asarray(g, np.float32) for g in _fwd_bwd(_pope_pallas)(*args)]
-    for blocks in configs:
-      fn = lambda q, k, v, d, blocks=blocks: _pope_pallas(q, k, v, d, blocks)
-      row = _measure(f"{name} q×{q_scale} {blocks}", fn, args, shape.forward_flops(), iters)
+    for change in changes:
+      change = dict(change)
+      traced = change.pop("traced_positions", False)
+      blocks = dataclasses.replace(default_block_sizes(shape.head_dim), **change)
+      fn = functools.partial(_pope_pallas, blocks=blocks, traced_positions=traced)
+      label = f"{name} q×{q_scale} {blocks}" + (" traced positions" if traced else "")
+      row = _measure(label, fn, args, shape.forward_flops(), iters)
       if "error" not in row:  # The same results as the default schedule, up to bf16 rounding.
         got = np.asarray(jax.jit(fn)(*args), np.float32)
         row["fwd_max_diff_vs_default"] = float(np.abs(got - default_out).max())

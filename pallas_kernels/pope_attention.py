@@ -31,6 +31,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pope_jax import encodings
 from pallas_kernels import _streaming as st
@@ -225,49 +226,80 @@ def _flash_bwd(blocks, base, magnitude_scale, res, d_out):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("base", "is_causal", "blocks"))
-def _prepare(q, k, v, delta, q_positions, k_positions, *, base, is_causal, blocks):
-  """Operands: padded raw q, the query phase -δ, raw k with its float32 positions (unpadded:
-  `_forward` maps and pads them), padded v, positions and visit tables."""
-  bsz, t_len, n_heads, h = q.shape
-  s_len, vd = k.shape[1], v.shape[-1]
-  # δ on the query side as -δ (the same score as δ on the keys, Eq. 5).
-  phase = (jnp.zeros((n_heads, h), jnp.float32) if delta is None
-           else -encodings.clamp_phase_bias(delta.astype(jnp.float32)))
-  k_angle_pos = jax.lax.stop_gradient(jnp.asarray(k_positions).astype(jnp.float32))
-  q_pos = jnp.broadcast_to(jnp.asarray(q_positions), (bsz, t_len)).astype(jnp.float32)
-  k_pos = jnp.broadcast_to(jnp.asarray(k_positions), (bsz, s_len))
+def _resident_blocks(blocks: BlockSizes) -> tuple[tuple[int, int, bool], ...]:
+  """Per kernel (forward, dq, dk/dv): its resident and streamed tile sizes, and whether the
+  resident tiles are queries."""
+  return ((blocks.block_q, blocks.block_kv, True), (blocks.block_q_dq, blocks.block_kv_dq, True),
+          (blocks.block_kv_dkv, blocks.block_q_dkv, False))
 
+
+@functools.partial(jax.jit, static_argnames=("batch", "t_len", "s_len", "is_causal", "blocks"))
+def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_len: int,
+                       is_causal: bool, blocks: BlockSizes):
+  """What the kernels take from the positions alone: the float32 query angle positions
+  [B, T_pad]; the key angle positions in their [S] / [B, S] shape, unpadded (`_forward` maps
+  and pads the keys); the masking positions with padding sentinels, [B, T_pad] and [B, S_pad];
+  and per kernel (`_resident_blocks`) the visit table, which streamed steps each resident tile
+  sees (`st.visit_table`, exact for any positions). `pope_attention` evaluates this at trace
+  time when the positions are concrete (the defaults, or arrays that are not traced), so a
+  call then runs no kernels for it."""
+  k_angle_pos = jax.lax.stop_gradient(jnp.asarray(k_positions).astype(jnp.float32))
+  q_pos = jnp.broadcast_to(jnp.asarray(q_positions), (batch, t_len)).astype(jnp.float32)
+  k_pos = jnp.broadcast_to(jnp.asarray(k_positions), (batch, s_len))
   mult = blocks.seq_multiple
   t_pad, s_pad = -(-t_len // mult) * mult, -(-s_len // mult) * mult
-  v_pad = -(-vd // 64) * 64
-  qr = _pad_to(q, t_pad, 1)
-  vp = _pad_to(_pad_to(v, s_pad, 1), v_pad, 3)
   angle_pos = jax.lax.stop_gradient(_pad_to(q_pos, t_pad, 1))
   qp = q_pos if is_causal else jnp.full(q_pos.shape, st.QUERY_SEES_ALL)
   qp = _pad_to(qp, t_pad, 1, st.QUERY_PAD)
   kp = _pad_to(k_pos.astype(jnp.float32), s_pad, 1, st.KEY_PAD)
   qp, kp = jax.lax.stop_gradient(qp), jax.lax.stop_gradient(kp)
-  # Per kernel (forward, dq, dk/dv): the visit table (which streamed steps each resident tile
-  # sees, from the positions) and which CTA runs which tiles (balanced by the step counts of
-  # the default positions, `st.launch_schedule`).
+  visits = tuple(st.visit_table(*((qp, kp) if queries else (kp, qp)), row_block, col_block,
+                                rows_are_queries=queries)
+                 for row_block, col_block, queries in _resident_blocks(blocks))
+  return angle_pos, k_angle_pos, qp, kp, visits
+
+
+@functools.partial(jax.jit, static_argnames=("base", "is_causal", "blocks"))
+def _prepare(q, k, v, delta, positions, *, base, is_causal, blocks):
+  """Operands: padded raw q, the query phase -δ, raw k with its float32 positions (unpadded:
+  `_forward` maps and pads them), padded v, positions and, per kernel, the visit table with
+  which CTA runs which tiles (`st.launch_schedule`, balanced by the step counts of the default
+  positions). `positions` is `_position_operands`' result."""
+  bsz, t_len, n_heads, h = q.shape
+  s_len, vd = k.shape[1], v.shape[-1]
+  # δ on the query side as -δ (the same score as δ on the keys, Eq. 5).
+  phase = (jnp.zeros((n_heads, h), jnp.float32) if delta is None
+           else -encodings.clamp_phase_bias(delta.astype(jnp.float32)))
+  angle_pos, k_angle_pos, qp, kp, visits = positions
+  t_pad, s_pad = qp.shape[1], kp.shape[1]
+  v_pad = -(-vd // 64) * 64
+  qr = _pad_to(q, t_pad, 1)
+  vp = _pad_to(_pad_to(v, s_pad, 1), v_pad, 3)
   offset = max(s_len - t_len, 0)
 
-  def kernel_tables(row_block, col_block, rows_are_queries):
-    rows, cols = (qp, kp) if rows_are_queries else (kp, qp)
-    n_rows, n_cols = rows.shape[1], cols.shape[1]
+  def schedule(row_block, col_block, rows_are_queries):
+    n_rows = t_pad if rows_are_queries else s_pad
+    n_cols = s_pad if rows_are_queries else t_pad
     tile_rows = st.COMPUTE_WGS * row_block
     steps = st.causal_steps(n_rows // tile_rows, tile_rows, n_cols, col_block, offset,
                             causal=is_causal, rows_are_queries=rows_are_queries)
-    schedule = st.launch_schedule(bsz, n_heads, n_rows // tile_rows, steps, blocks.persistent,
-                                  longest_last_tile=rows_are_queries)
-    return (st.visit_table(rows, cols, row_block, col_block, rows_are_queries=rows_are_queries),
-            jnp.asarray(schedule))
+    return jnp.asarray(st.launch_schedule(bsz, n_heads, n_rows // tile_rows, steps,
+                                          blocks.persistent,
+                                          longest_last_tile=rows_are_queries))
 
-  tables = (kernel_tables(blocks.block_q, blocks.block_kv, True),
-            kernel_tables(blocks.block_q_dq, blocks.block_kv_dq, True),
-            kernel_tables(blocks.block_kv_dkv, blocks.block_q_dkv, False))
+  tables = tuple((visit, schedule(*kernel))
+                 for visit, kernel in zip(visits, _resident_blocks(blocks)))
   return qr, phase, k, vp, angle_pos, k_angle_pos, qp, kp, tables
+
+
+def _positions(q_positions, k_positions, *, batch, t_len, s_len, is_causal, blocks):
+  """`_position_operands`, evaluated at trace time (constants of the caller's computation)
+  unless a position array is traced."""
+  kw = dict(batch=batch, t_len=t_len, s_len=s_len, is_causal=is_causal, blocks=blocks)
+  if any(isinstance(p, jax.core.Tracer) for p in (q_positions, k_positions)):
+    return _position_operands(q_positions, k_positions, **kw)
+  with jax.ensure_compile_time_eval():
+    return _position_operands(q_positions, k_positions, **kw)
 
 
 def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: bool = False,
@@ -303,11 +335,12 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   s_len, t_len = k.shape[1], q.shape[1]
   if k_positions is None:
-    k_positions = jnp.arange(s_len, dtype=jnp.int32)
+    k_positions = np.arange(s_len, dtype=np.int32)
   if q_positions is None:
-    q_positions = jnp.arange(max(s_len - t_len, 0), max(s_len - t_len, 0) + t_len,
-                             dtype=jnp.int32)
-  operands = _prepare(q, k, v, delta, q_positions, k_positions, base=base, is_causal=is_causal,
-                      blocks=blocks)
+    q_positions = np.arange(max(s_len - t_len, 0), max(s_len - t_len, 0) + t_len,
+                            dtype=np.int32)
+  positions = _positions(q_positions, k_positions, batch=q.shape[0], t_len=t_len, s_len=s_len,
+                         is_causal=is_causal, blocks=blocks)
+  operands = _prepare(q, k, v, delta, positions, base=base, is_causal=is_causal, blocks=blocks)
   out = _flash(*operands, blocks, base, scale * _LOG2E)
   return out[:, :t_len, :, :v.shape[-1]]

@@ -24,16 +24,26 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pope_jax import encodings
 
 Array = jax.Array
 
 
-def default_positions(q_len: int, k_len: int) -> tuple[Array, Array]:
-  """Default (q_positions [T], k_positions [S]) int32: queries are the last T of S positions."""
-  k_pos = jnp.arange(k_len, dtype=jnp.int32)
-  return k_pos[k_len - q_len:] if q_len <= k_len else jnp.arange(q_len, dtype=jnp.int32), k_pos
+def default_positions(q_len: int, k_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """Default (q_positions [T], k_positions [S]) int32: queries are the last T of S positions.
+
+  numpy arrays, so they stay concrete under `jax.jit`: the fused kernel then derives its
+  position tables at trace time (`pallas_kernels.pope_attention`), not in every call."""
+  k_pos = np.arange(k_len, dtype=np.int32)
+  return k_pos[k_len - q_len:] if q_len <= k_len else np.arange(q_len, dtype=np.int32), k_pos
+
+
+def _as_positions(positions) -> Array | np.ndarray:
+  # Arrays (traced or not) and numpy arrays as they are: under jit, `jnp.asarray` would trace a
+  # concrete array, and the fused kernel's position tables with it.
+  return positions if isinstance(positions, (jax.Array, np.ndarray)) else jnp.asarray(positions)
 
 
 def attention_mask(
@@ -114,8 +124,8 @@ def _positions(q: Array, k: Array, q_positions, k_positions, key_mask
                ) -> tuple[Array, Array]:
   """Positions (defaults filled in) after checking their and key_mask's shapes and dtypes."""
   dq, dk = default_positions(q.shape[1], k.shape[1])
-  q_pos = dq if q_positions is None else jnp.asarray(q_positions)
-  k_pos = dk if k_positions is None else jnp.asarray(k_positions)
+  q_pos = dq if q_positions is None else _as_positions(q_positions)
+  k_pos = dk if k_positions is None else _as_positions(k_positions)
   b = q.shape[0]
   for name, pos, length in (("q_positions", q_pos, q.shape[1]), ("k_positions", k_pos, k.shape[1])):
     if pos.ndim not in (1, 2) or pos.shape[-1] != length or (pos.ndim == 2 and pos.shape[0] != b):

@@ -305,8 +305,10 @@ def test_persistent_launch_over_tiles(head_dim, persistent, is_causal):
   blocks = dataclasses.replace(default_block_sizes(head_dim), persistent=persistent)
   q_pos = jnp.arange(300) + 30
   kw = dict(is_causal=is_causal, q_positions=q_pos)
-  tables = kernel._prepare(q, k, v, delta, q_pos, jnp.arange(330), base=10000.0,
-                           is_causal=is_causal, blocks=blocks)[-1]
+  positions = kernel._positions(q_pos, jnp.arange(330), batch=1, t_len=300, s_len=330,
+                                is_causal=is_causal, blocks=blocks)
+  tables = kernel._prepare(q, k, v, delta, positions, base=10000.0, is_causal=is_causal,
+                           blocks=blocks)[-1]
   for _, schedule in tables:
     assert np.asarray(schedule)[:, 0].max() == 1
 
