@@ -78,13 +78,6 @@ class BlockSizes:
       PoPE language model trained on Shakespeare had 43.8 % of its tiles bounded (2.9 % in its
       last layer; run 18 D): measure a model's share with `experiments.score_bounds` before
       turning this on. Not with `overlap`.
-    softmax_halves: forward only: the online softmax takes each score tile in two column
-      halves: the first half's exp2 uses the running max over that half alone, so the second
-      half's row max (CUDA-core work) does not wait for the whole tile's and can run beside the
-      first half's exp2 (SFU work); the first half's P is then rescaled by exp2(m_half - m), one
-      more exp2 per row and block_kv / 2 multiplies per row. The result is the same softmax (P
-      differs by float32 rounding). Aimed at the H = 64 forward, which the softmax bounds
-      (docs/results, run 12).
     persistent: launch at most one CTA per SM, each looping over its share of the resident
       tiles, instead of one CTA per tile. The memory warpgroup streams the next tile's first
       keys (or queries) while the compute warpgroups finish a tile, and the forward loads the
@@ -114,7 +107,6 @@ class BlockSizes:
   persistent: bool = True
   row_sum_mma: bool = False
   bounded_softmax: bool = False
-  softmax_halves: bool = False
 
   def __post_init__(self):
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",
@@ -123,7 +115,7 @@ class BlockSizes:
       if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"BlockSizes.{field} must be an int, got {value!r}")
     for field in ("ping_pong", "overlap", "a_in_registers", "overlap_bwd", "split_dkv",
-                  "persistent", "row_sum_mma", "bounded_softmax", "softmax_halves"):
+                  "persistent", "row_sum_mma", "bounded_softmax"):
       if not isinstance(getattr(self, field), bool):
         raise TypeError(f"BlockSizes.{field} must be a bool, got {getattr(self, field)!r}")
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",

@@ -305,12 +305,9 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
             if ones_smem is None:
               l_i = l_i + p.sum(axis=1)
             return m_i, l_i, p.astype(dtype) if cast else p, None
-          if blocks.softmax_halves:
-            m_new, p = halves_exp2(s_blk, m_i)
-          else:
-            m_new = jnp.maximum(m_i, s_blk.max(axis=1))
-            p = jnp.exp2(s_blk - st.broadcast(m_new, (bq, bk), 0))
+          m_new = jnp.maximum(m_i, s_blk.max(axis=1))
           alpha = jnp.exp2(m_i - m_new)
+          p = jnp.exp2(s_blk - st.broadcast(m_new, (bq, bk), 0))
           if ones_smem is None:
             l_i = l_i * alpha + p.sum(axis=1)
           else:  # [bq, ROW_SUM_COLS]; P @ 1 is added with PV (`pv`)
@@ -318,20 +315,6 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
           if cast:
             p = p.astype(dtype)
           return m_new, l_i, p, alpha
-
-        def halves_exp2(s_blk, m_i):
-          """(m, exp2(s - m)) of a score tile from its two column halves (`softmax_halves`):
-          the first half's exp2 with the running max over it alone, then the second half's max,
-          independent of that exp2, and the first half's P rescaled by exp2(m_first - m)."""
-          h_kv = bk // 2
-          first, second = s_blk[:, :h_kv], s_blk[:, h_kv:]
-          m_first = jnp.maximum(m_i, first.max(axis=1))
-          p_first = jnp.exp2(first - st.broadcast(m_first, (bq, h_kv), 0))
-          m_new = jnp.maximum(m_first, second.max(axis=1))
-          p_second = jnp.exp2(second - st.broadcast(m_new, (bq, h_kv), 0))
-          p_first = p_first * st.broadcast(jnp.exp2(m_first - m_new), (bq, h_kv), 0)
-          return m_new, plgpu.layout_cast(jnp.concatenate([p_first, p_second], axis=1),
-                                          plgpu.Layout.WGMMA)
 
         def hand_over(*values, pp=ping_pong):
           """Under ping-pong (`pp`): finish computing `values`, then the handshake that hands the

@@ -292,15 +292,6 @@ def test_dk_dv_in_one_or_two_launches(head_dim, split_dkv, a_in_registers):
   _assert_close(got, _value_and_grads("xla", q, k, v, delta, cot, is_causal=True))
 
 
-def test_softmax_halves_forward_and_grads():
-  # The log-sum-exp the forward saves (from the two halves' max and sums) drives every
-  # gradient; several key steps per query tile, masked and full.
-  q, k, v, delta, cot = _problem((1, 2, 1, 64), 150, 330, seed=17)
-  blocks = dataclasses.replace(default_block_sizes(64), softmax_halves=True)
-  got = _kernel_value_and_grads(blocks, q, k, v, delta, cot, is_causal=True)
-  _assert_close(got, _value_and_grads("xla", q, k, v, delta, cot, is_causal=True))
-
-
 @pytest.mark.parametrize("head_dim, persistent, is_causal", [
     (64, True, True), (64, False, True), (32, True, False)])
 def test_persistent_launch_over_tiles(head_dim, persistent, is_causal):
@@ -357,10 +348,6 @@ def test_item_schedule_balances_causal_tiles(monkeypatch):
     (BlockSizes(block_kv=64, stages_fwd=2), True),
     (BlockSizes(block_kv=64, row_sum_mma=True), True),
     (BlockSizes(block_kv=128, row_sum_mma=True, a_in_registers=False), False),
-    (BlockSizes(block_kv=64, softmax_halves=True), True),
-    (BlockSizes(block_kv=128, softmax_halves=True, row_sum_mma=True), False),
-    (BlockSizes(block_kv=64, softmax_halves=True, overlap=True, ping_pong=False,
-                stages_fwd=2), True),
 ])
 def test_forward_schedules(blocks, is_causal):
   # Several key steps per query tile (block_kv 64): skipped, masked and full ranges (for the
@@ -459,9 +446,6 @@ def test_block_size_defaults_and_types():
     BlockSizes(row_sum_mma=1)
   with pytest.raises(TypeError, match="bounded_softmax"):
     BlockSizes(bounded_softmax=1)
-  with pytest.raises(TypeError, match="softmax_halves"):
-    BlockSizes(softmax_halves=1)
-  assert not default_block_sizes(64).softmax_halves
   with pytest.raises(ValueError, match="stages >= 3"):
     BlockSizes(overlap=True, ping_pong=True, stages=2)
 
