@@ -11,10 +11,11 @@ scale. FLOPs: PoPE forward causal = 6·B·N·S²·H/2 (q'k'ᵀ over 2H plus PV o
 forward+backward is counted as 2.5× forward (the usual FlashAttention convention). Ratios are to
 the fastest PoPE baseline row.
 
-  python -m experiments.bench_attention --out results.json [--variants] [--profile]
-      [--check [--check-dtypes bfloat16,float16]]
+  python -m experiments.bench_attention --out results.json [--dtypes bfloat16,float16]
+      [--variants] [--profile] [--check [--check-dtypes bfloat16,float16]]
       [--train-step [--train-batch N] [--logits-dtype compute] [--train-breakdown]]
 
+--dtypes: the main tables' input dtypes (default bfloat16, the speed target's).
 --check compares the kernel's output and gradients with the float32 XLA reference on small
 shapes, in each dtype of --check-dtypes (default bfloat16), and exits 1 (after writing the JSON)
 if any is off by more than --check-tol.
@@ -160,9 +161,10 @@ def _measure(name, fn, args, flops, iters):
   return row
 
 
-def bench_head_dim(shape_name: str, iters: int, with_tokamax: bool) -> dict:
+def bench_head_dim(shape_name: str, iters: int, with_tokamax: bool,
+                   dtype=jnp.bfloat16) -> dict:
   shape = SHAPES[shape_name]
-  args = _inputs(shape)
+  args = _inputs(shape, jnp.dtype(dtype))
   flops = shape.forward_flops()
   rows = [_measure("xla reference", _pope_xla, args, flops, iters)]
   rows += [_measure(name, fn, args, flops, iters) for name, (fn, tk) in BASELINES.items()
@@ -175,7 +177,7 @@ def bench_head_dim(shape_name: str, iters: int, with_tokamax: bool) -> dict:
   baselines = [r for r in rows if r["name"] in BASELINES and "error" not in r]
   best = {key: min((r[key] for r in baselines), default=float("nan"))
           for key in ("fwd_ms", "fwd_bwd_ms")}
-  print(f"\n== {shape_name}: {shape} | FLOPs fwd {flops:.3e} (fwd+bwd 2.5x) | peak "
+  print(f"\n== {shape_name} {jnp.dtype(dtype).name}: {shape} | FLOPs fwd {flops:.3e} (fwd+bwd 2.5x) | peak "
         f"{PEAK_TFLOPS} TFLOP/s")
   print(f"{'implementation':26s} {'fwd ms':>8s} {'TFLOP/s':>8s} {'/best':>6s} "
         f"{'fwd+bwd ms':>10s} {'TFLOP/s':>8s} {'/best':>6s}")
@@ -425,6 +427,8 @@ def main():
                            '\'{"overlap": true, "stages_fwd": 3, "row_sum_mma": false}\'')
   parser.add_argument("--check-dtypes", default="bfloat16",
                       help="--check input dtypes, comma-separated (bfloat16, float16)")
+  parser.add_argument("--dtypes", default="bfloat16",
+                      help="main tables' input dtypes, comma-separated (bfloat16, float16)")
   parser.add_argument("--variants", action="store_true", help="time block-size variants")
   parser.add_argument("--train-step", action="store_true", help="GPT-2-124M PoPE/RoPE step")
   parser.add_argument("--train-batch", type=int, default=16, help="--train-step batch size")
@@ -437,10 +441,16 @@ def main():
   parser.add_argument("--skip-bench", action="store_true",
                       help="skip the main tables (e.g. with --check or --variants)")
   args = parser.parse_args()
-  dtypes = [d.strip() for d in args.check_dtypes.split(",") if d.strip()]
   supported = [d.name for d in kernel.SUPPORTED_DTYPES]
-  if not dtypes or any(d not in supported for d in dtypes):
-    parser.error(f"--check-dtypes {args.check_dtypes!r}: give some of {supported}")
+
+  def dtype_list(flag, value):
+    names = [d.strip() for d in value.split(",") if d.strip()]
+    if not names or any(d not in supported for d in names):
+      parser.error(f"{flag} {value!r}: give some of {supported}")
+    return names
+
+  dtypes = dtype_list("--check-dtypes", args.check_dtypes)
+  bench_dtypes = dtype_list("--dtypes", args.dtypes)
   try:
     import tokamax  # noqa: F401
     with_tokamax = True
@@ -454,8 +464,10 @@ def main():
     changes = [{}] + [json.loads(c) for c in args.check_blocks]
     results["check"] = check([n for n in SHAPES if n.startswith("check")], changes, dtypes)
   if not args.skip_bench:
-    results["bench"] = {n: bench_head_dim(n, args.iters, with_tokamax)
-                        for n in ("bench_h64", "bench_h128")}
+    # Keys: the shape's name, followed by the dtype for dtypes other than bfloat16.
+    results["bench"] = {n if d == "bfloat16" else f"{n} {d}":
+                        bench_head_dim(n, args.iters, with_tokamax, d)
+                        for d in bench_dtypes for n in ("bench_h64", "bench_h128")}
   if args.variants:
     results["variants"] = variants(args.iters)
   if args.profile:
