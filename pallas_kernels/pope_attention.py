@@ -315,7 +315,9 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
     base: frequency base of θ_c = base^(-c/H).
     is_causal: key s visible to query t iff k_pos[s] <= q_pos[t].
     q_positions, k_positions: [T] / [S] or [B, T] / [B, S] int; default: keys arange(S),
-      queries S - T + arange(T) when T <= S, else arange(T).
+      queries S - T + arange(T) when T <= S, else arange(T). Concrete positions (the
+      defaults, numpy arrays, arrays not traced by the caller's jit) become trace-time
+      constants (`_position_operands`); traced ones cost a few small XLA ops per call.
     scale: logit scale, default 1/sqrt(H).
     block_sizes: tile sizes; default `default_block_sizes(H)`.
 
