@@ -31,9 +31,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from pope_jax import encodings
+from pope_jax import attention, encodings
 from pallas_kernels import _streaming as st
 from pallas_kernels.pope_attention_bwd import pope_attention_dkv, pope_attention_dq
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
@@ -316,8 +315,10 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
     is_causal: key s visible to query t iff k_pos[s] <= q_pos[t].
     q_positions, k_positions: [T] / [S] or [B, T] / [B, S] int; default: keys arange(S),
       queries S - T + arange(T) when T <= S, else arange(T). Concrete positions (the
-      defaults, numpy arrays, arrays not traced by the caller's jit) become trace-time
-      constants (`_position_operands`); traced ones cost a few small XLA ops per call.
+      defaults, numpy arrays or int sequences, jax arrays closed over rather than computed
+      inside the caller's jit) become trace-time constants (`_position_operands`); traced
+      ones (jit arguments, or e.g. `jnp.arange(T)` inside jit) cost a few small XLA ops per
+      call.
     scale: logit scale, default 1/sqrt(H).
     block_sizes: tile sizes; default `default_block_sizes(H)`.
 
@@ -327,8 +328,9 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
   Raises:
     NotImplementedError: dtype, head dim or value dim the kernel does not support, or a backend
       other than GPU (outside the Mosaic GPU interpreter).
-    ValueError: shapes that do not agree, or `block_sizes` whose buffers do not fit in SMEM
-      (forward at call time, dq and dk/dv when differentiated).
+    ValueError: shapes that do not agree (also of the positions), or `block_sizes` whose
+      buffers do not fit in SMEM (forward at call time, dq and dk/dv when differentiated).
+    TypeError: positions that are not integers.
   """
   _check(q, k, v, delta)
   _check_platform()
@@ -336,11 +338,12 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
   blocks = default_block_sizes(h) if block_sizes is None else block_sizes
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   s_len, t_len = k.shape[1], q.shape[1]
-  if k_positions is None:
-    k_positions = np.arange(s_len, dtype=np.int32)
-  if q_positions is None:
-    q_positions = np.arange(max(s_len - t_len, 0), max(s_len - t_len, 0) + t_len,
-                            dtype=np.int32)
+  default_q, default_k = attention.default_positions(t_len, s_len)
+  q_positions = attention.as_positions(default_q if q_positions is None else q_positions,
+                                       keep_numpy=True)
+  k_positions = attention.as_positions(default_k if k_positions is None else k_positions,
+                                       keep_numpy=True)
+  attention.check_positions(q_positions, k_positions, q.shape[0], t_len, s_len)
   positions = _positions(q_positions, k_positions, batch=q.shape[0], t_len=t_len, s_len=s_len,
                          is_causal=is_causal, blocks=blocks)
   operands = _prepare(q, k, v, delta, positions, base=base, is_causal=is_causal, blocks=blocks)

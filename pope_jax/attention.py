@@ -35,15 +35,38 @@ def default_positions(q_len: int, k_len: int) -> tuple[np.ndarray, np.ndarray]:
   """Default (q_positions [T], k_positions [S]) int32: queries are the last T of S positions.
 
   numpy arrays, so they stay concrete under `jax.jit`: the fused kernel then derives its
-  position tables at trace time (`pallas_kernels.pope_attention`), not in every call."""
+  position tables at trace time (`pallas_kernels.pope_attention`), not in every call. (Unlike
+  jax arrays they have no `.at`; `jnp.asarray` makes them jax arrays.)"""
   k_pos = np.arange(k_len, dtype=np.int32)
   return k_pos[k_len - q_len:] if q_len <= k_len else np.arange(q_len, dtype=np.int32), k_pos
 
 
-def _as_positions(positions) -> Array | np.ndarray:
-  # Arrays (traced or not) and numpy arrays as they are: under jit, `jnp.asarray` would trace a
-  # concrete array, and the fused kernel's position tables with it.
-  return positions if isinstance(positions, (jax.Array, np.ndarray)) else jnp.asarray(positions)
+def as_positions(positions, *, keep_numpy: bool = False) -> Array | np.ndarray:
+  """Positions as an array: jax arrays (traced or not) as they are; numpy arrays and sequences
+  of ints as numpy with `keep_numpy` (concrete under jit, so the fused kernel derives its
+  position tables at trace time), else as jax arrays (computed inside the caller's jit, so XLA
+  paths do not fold e.g. a [T, S] causal mask into the program as a constant)."""
+  if not isinstance(positions, (jax.Array, np.ndarray)):
+    try:
+      positions = np.asarray(positions)
+    except jax.errors.TracerArrayConversionError:  # a sequence holding traced values
+      return jnp.asarray(positions)
+  if isinstance(positions, np.ndarray) and not keep_numpy:
+    return jnp.asarray(positions)
+  return positions
+
+
+def check_positions(q_positions, k_positions, batch: int, q_len: int, k_len: int) -> None:
+  """Raises ValueError unless q_positions is [T] or [B, T] and k_positions [S] or [B, S], and
+  TypeError unless both hold integers (arrays of any kind)."""
+  for name, pos, length in (("q_positions", q_positions, q_len),
+                            ("k_positions", k_positions, k_len)):
+    if pos.ndim not in (1, 2) or pos.shape[-1] != length or (pos.ndim == 2
+                                                              and pos.shape[0] != batch):
+      raise ValueError(f"{name} must have shape [{length}] or [{batch}, {length}], got "
+                       f"{pos.shape}")
+    if not jnp.issubdtype(pos.dtype, jnp.integer):
+      raise TypeError(f"{name} must be integer positions, got {pos.dtype}")
 
 
 def attention_mask(
@@ -120,18 +143,15 @@ def _check_multiplier(multiplier, query: Array) -> None:
                      f"[{query.shape[2]}] (the query's heads), got {jnp.shape(multiplier)}")
 
 
-def _positions(q: Array, k: Array, q_positions, k_positions, key_mask
-               ) -> tuple[Array, Array]:
-  """Positions (defaults filled in) after checking their and key_mask's shapes and dtypes."""
+def _positions(q: Array, k: Array, q_positions, k_positions, key_mask, *,
+               keep_numpy: bool = False) -> tuple[Array | np.ndarray, Array | np.ndarray]:
+  """Positions (defaults filled in, `as_positions`) after checking their and key_mask's shapes
+  and dtypes."""
   dq, dk = default_positions(q.shape[1], k.shape[1])
-  q_pos = dq if q_positions is None else _as_positions(q_positions)
-  k_pos = dk if k_positions is None else _as_positions(k_positions)
+  q_pos = as_positions(dq if q_positions is None else q_positions, keep_numpy=keep_numpy)
+  k_pos = as_positions(dk if k_positions is None else k_positions, keep_numpy=keep_numpy)
   b = q.shape[0]
-  for name, pos, length in (("q_positions", q_pos, q.shape[1]), ("k_positions", k_pos, k.shape[1])):
-    if pos.ndim not in (1, 2) or pos.shape[-1] != length or (pos.ndim == 2 and pos.shape[0] != b):
-      raise ValueError(f"{name} must have shape [{length}] or [{b}, {length}], got {pos.shape}")
-    if not jnp.issubdtype(pos.dtype, jnp.integer):
-      raise TypeError(f"{name} must be integer positions, got {pos.dtype}")
+  check_positions(q_pos, k_pos, b, q.shape[1], k.shape[1])
   if key_mask is not None:
     key_mask = jnp.asarray(key_mask)
     if key_mask.shape != (b, k.shape[1]) or key_mask.dtype != jnp.bool_:
@@ -213,6 +233,9 @@ def pope_attention(
     base: frequency base, θ_c = base^(-(c-1)/H).
     is_causal: causal mask by absolute position (see module docstring).
     q_positions, k_positions: [T] / [S] or [B, T] / [B, S] int; see module docstring for defaults.
+      For implementation="pallas", concrete positions (the defaults, numpy arrays, int lists,
+      jax arrays closed over by the caller's jit) give the kernel's position tables at trace
+      time; traced ones (jit arguments, `jnp.arange` inside jit) add small XLA ops per call.
     scale: logit scale; default 1/sqrt(H) of the original head dim (not 2H).
     multiplier: None, scalar or [N] frequency multiplier (per-layer scaling, PI); under GQA the
       query heads of a group must share one value (see `encodings.kv_head_multiplier`).
@@ -229,14 +252,15 @@ def pope_attention(
   _check_qkv(query, key, value)
   _check_multiplier(multiplier, query)
   delta = None if delta is None else jnp.asarray(delta)
-  q_pos, k_pos = _positions(query, key, q_positions, k_positions, key_mask)
-  scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
   if implementation is None:
     implementation = _pick_pope_implementation(query, key, value, multiplier, key_mask)
   if implementation not in POPE_IMPLEMENTATIONS:
     raise ValueError(
         f"implementation must be one of {sorted(POPE_IMPLEMENTATIONS)} or None, got "
         f"{implementation!r}")
+  q_pos, k_pos = _positions(query, key, q_positions, k_positions, key_mask,
+                            keep_numpy=implementation == "pallas")
+  scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
   out = POPE_IMPLEMENTATIONS[implementation](
       query, key, value, delta, base=base, is_causal=is_causal, q_positions=q_pos,
       k_positions=k_pos, scale=scale, multiplier=multiplier, key_mask=key_mask)

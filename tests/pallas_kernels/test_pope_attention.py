@@ -148,6 +148,50 @@ def test_explicit_positions_and_empty_rows():
   _assert_close(got, want)
 
 
+def test_traced_positions_match_reference_for_each_value():
+  # Positions as jit arguments take the traced path of `_position_operands` (visit tables in
+  # the call); one compilation must serve both position values.
+  q, k, v, delta, cot = _problem((1, 2, 1, 32), 60, 150, seed=21)
+
+  def loss(q, k, v, delta, q_pos, k_pos):
+    out = kernel.pope_attention(q, k, v, delta, is_causal=True, q_positions=q_pos,
+                                k_positions=k_pos)
+    return (out.astype(jnp.float32) * cot).sum(), out
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+  for q_pos, k_pos in ((jnp.arange(90, 150), jnp.arange(150)),
+                       (jnp.arange(60) * 2 + 20, jnp.arange(150) + 10)):
+    with plgpu.force_gpu_interpret_mode():
+      (_, out), grads = step(q, k, v, delta, q_pos, k_pos)
+    kw = dict(is_causal=True, q_positions=q_pos, k_positions=k_pos)
+    _assert_close((out, *grads), _value_and_grads("xla", q, k, v, delta, cot, **kw))
+
+
+@pytest.mark.parametrize("positions", [
+    {}, {"q_positions": np.arange(20, 40), "k_positions": np.arange(40)},
+    {"q_positions": list(range(20, 40)), "k_positions": list(range(40))},
+    {"q_positions": jnp.arange(20, 40)[None], "k_positions": jnp.arange(40)[None]}])
+def test_concrete_positions_are_trace_time_constants(positions):
+  # Defaults, numpy, int lists and closed-over jax arrays reach the kernels as constants:
+  # under jit the call holds no reduction (the visit tables' min / max over the positions).
+  q, k, v, delta, _ = _problem((1, 2, 1, 32), 20, 40, seed=2)
+  fn = lambda q: attention.pope_attention(q, k, v, delta, is_causal=True,
+                                          implementation="pallas", **positions)
+  traced = lambda q, p: kernel.pope_attention(q, k, v, delta, is_causal=True, q_positions=p)
+  with plgpu.force_gpu_interpret_mode():
+    assert "stablehlo.reduce" not in jax.jit(fn).lower(q).as_text()
+    assert "stablehlo.reduce" in jax.jit(traced).lower(q, jnp.arange(20, 40)).as_text()
+
+
+def test_kernel_positions_validate():
+  q, k, v, delta, _ = _problem((1, 2, 1, 32), 20, 40, seed=2)
+  with plgpu.force_gpu_interpret_mode():
+    with pytest.raises(TypeError, match="q_positions must be integer"):
+      kernel.pope_attention(q, k, v, delta, q_positions=np.arange(20) * 0.5)
+    with pytest.raises(ValueError, match="k_positions must have shape"):
+      kernel.pope_attention(q, k, v, delta, k_positions=jnp.arange(21))
+
+
 @pytest.mark.parametrize("family, value_dim, is_causal",
                          [((1, 2, 2, 128), 64, True), ((1, 4, 1, 32), 96, False)])
 def test_value_width_other_than_head_dim(family, value_dim, is_causal):

@@ -256,3 +256,21 @@ def test_non_finite_multipliers_are_named_before_the_gqa_check():
   q, k, v, delta = _qkv(n=4, k=2)
   with pytest.raises(ValueError, match="multipliers must be finite"):
     attention.pope_attention(q, k, v, delta, multiplier=jnp.full(4, jnp.nan))
+
+
+@pytest.mark.parametrize("fn", [
+    lambda q, k, v: attention.pope_attention(q, k, v, is_causal=True, implementation="xla"),
+    lambda q, k, v: attention.rope_attention(q, k, v, is_causal=True, implementation="xla")])
+def test_default_positions_build_the_mask_inside_the_program(fn):
+  # Default positions are numpy (for the fused kernel's trace-time tables); the XLA paths must
+  # still build the [T, S] causal mask in the program, not fold it in as a constant.
+  q = k = v = jnp.zeros((1, 256, 1, 32), jnp.bfloat16)
+  assert not any(np.ndim(c) >= 2 for c in jax.make_jaxpr(fn)(q, k, v).consts)
+  assert len(jax.jit(fn).lower(q, k, v).as_text()) < 50_000
+
+
+def test_as_positions_keeps_numpy_only_when_asked():
+  assert isinstance(attention.as_positions([1, 2], keep_numpy=True), np.ndarray)
+  assert isinstance(attention.as_positions(np.arange(3)), jax.Array)
+  traced = jax.jit(lambda p: attention.as_positions(p, keep_numpy=True))(jnp.arange(3))
+  np.testing.assert_array_equal(traced, np.arange(3))
