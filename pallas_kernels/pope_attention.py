@@ -52,9 +52,10 @@ def is_supported(q, k, v) -> bool:
   """Whether the kernel runs these operands (arrays or `jax.ShapeDtypeStruct`s).
 
   q [B, T, N, H], k [B, S, K, H], v [B, S, K, V]: one dtype in SUPPORTED_DTYPES, H in
-  SUPPORTED_HEAD_DIMS, V <= MAX_VALUE_DIM, one batch, N a multiple of K.
+  SUPPORTED_HEAD_DIMS, V <= MAX_VALUE_DIM, one batch, N a multiple of K; and `jax_enable_x64`
+  off (the kernels' index arithmetic is int32).
   """
-  return (q.ndim == 4 and jnp.dtype(q.dtype) in SUPPORTED_DTYPES
+  return (not jax.config.jax_enable_x64 and q.ndim == 4 and jnp.dtype(q.dtype) in SUPPORTED_DTYPES
           and q.shape[-1] in SUPPORTED_HEAD_DIMS and k.dtype == q.dtype and v.dtype == q.dtype
           and v.shape[-1] <= MAX_VALUE_DIM and not _shape_mismatch(q, k, v))
 
@@ -65,6 +66,10 @@ def _shape_mismatch(q, k, v) -> bool:
 
 
 def _check(q, k, v, delta) -> None:
+  if jax.config.jax_enable_x64:
+    raise NotImplementedError(
+        "pallas PoPE attention runs with jax_enable_x64 off (its index arithmetic is int32); "
+        "use implementation='xla' under x64, or jax.enable_x64(False) around the call")
   if not (q.ndim == 4 and jnp.dtype(q.dtype) in SUPPORTED_DTYPES
           and q.shape[-1] in SUPPORTED_HEAD_DIMS):
     raise NotImplementedError(
@@ -326,8 +331,8 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
     [B, T, N, V] in q's dtype; zero rows where no key is visible.
 
   Raises:
-    NotImplementedError: dtype, head dim or value dim the kernel does not support, or a backend
-      other than GPU (outside the Mosaic GPU interpreter).
+    NotImplementedError: dtype, head dim or value dim the kernel does not support, a backend
+      other than GPU (outside the Mosaic GPU interpreter), or `jax_enable_x64` on.
     ValueError: shapes that do not agree (also of the positions), or `block_sizes` whose
       buffers do not fit in SMEM (forward at call time, dq and dk/dv when differentiated).
     TypeError: positions that are not integers.

@@ -183,6 +183,14 @@ def test_concrete_positions_are_trace_time_constants(positions):
     assert "stablehlo.reduce" in jax.jit(traced).lower(q, jnp.arange(20, 40)).as_text()
 
 
+def test_x64_mode_raises_a_clear_error():
+  q, k, v, delta, _ = _problem((1, 2, 1, 32), 20, 40, seed=2)
+  with jax.enable_x64(True):
+    assert not kernel.is_supported(q, k, v)
+    with plgpu.force_gpu_interpret_mode(), pytest.raises(NotImplementedError, match="x64"):
+      kernel.pope_attention(q, k, v, delta)
+
+
 def test_kernel_positions_validate():
   q, k, v, delta, _ = _problem((1, 2, 1, 32), 20, 40, seed=2)
   with plgpu.force_gpu_interpret_mode():
