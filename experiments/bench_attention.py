@@ -177,8 +177,8 @@ def bench_head_dim(shape_name: str, iters: int, with_tokamax: bool,
   baselines = [r for r in rows if r["name"] in BASELINES and "error" not in r]
   best = {key: min((r[key] for r in baselines), default=float("nan"))
           for key in ("fwd_ms", "fwd_bwd_ms")}
-  print(f"\n== {shape_name} {jnp.dtype(dtype).name}: {shape} | FLOPs fwd {flops:.3e} (fwd+bwd 2.5x) | peak "
-        f"{PEAK_TFLOPS} TFLOP/s")
+  print(f"\n== {shape_name} {jnp.dtype(dtype).name}: {shape} | FLOPs fwd {flops:.3e} "
+        f"(fwd+bwd 2.5x) | peak {PEAK_TFLOPS} TFLOP/s")
   print(f"{'implementation':26s} {'fwd ms':>8s} {'TFLOP/s':>8s} {'/best':>6s} "
         f"{'fwd+bwd ms':>10s} {'TFLOP/s':>8s} {'/best':>6s}")
   for r in rows:

@@ -55,7 +55,8 @@ def is_supported(q, k, v) -> bool:
   SUPPORTED_HEAD_DIMS, V <= MAX_VALUE_DIM, one batch, N a multiple of K; and `jax_enable_x64`
   off (the kernels' index arithmetic is int32).
   """
-  return (not jax.config.jax_enable_x64 and q.ndim == 4 and jnp.dtype(q.dtype) in SUPPORTED_DTYPES
+  return (not jax.config.jax_enable_x64
+          and q.ndim == 4 and jnp.dtype(q.dtype) in SUPPORTED_DTYPES
           and q.shape[-1] in SUPPORTED_HEAD_DIMS and k.dtype == q.dtype and v.dtype == q.dtype
           and v.shape[-1] <= MAX_VALUE_DIM and not _shape_mismatch(q, k, v))
 
