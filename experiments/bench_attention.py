@@ -123,10 +123,10 @@ def _pope_pallas(q, k, v, delta, blocks: BlockSizes | None = None,
   """Our kernel; `traced_positions` passes the default positions as arrays traced with the call
   (as `jnp.arange` under jit gives), so the kernels' position tables run in every call instead
   of at trace time."""
-  if traced_positions:
-    t_len, s_len = q.shape[1], k.shape[1]
-    pos = dict(q_positions=jnp.arange(s_len - t_len, s_len), k_positions=jnp.arange(s_len))
-    return kernel.pope_attention(q, k, v, delta, is_causal=True, block_sizes=blocks, **pos)
+  if traced_positions:  # jnp.asarray inside jit traces them
+    q_pos, k_pos = map(jnp.asarray, attention.default_positions(q.shape[1], k.shape[1]))
+    return kernel.pope_attention(q, k, v, delta, is_causal=True, block_sizes=blocks,
+                                 q_positions=q_pos, k_positions=k_pos)
   if blocks is None:
     return attention.pope_attention(q, k, v, delta, is_causal=True, implementation="pallas")
   return kernel.pope_attention(q, k, v, delta, is_causal=True, block_sizes=blocks)
