@@ -31,6 +31,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pope_jax import attention, encodings
 from pallas_kernels import _streaming as st
@@ -162,19 +163,23 @@ def bounded_tiles(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
 def _forward(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, blocks, base,
              magnitude_scale, *, save_a):
   """The key map (one XLA pass; positions in their [S] / [B, S] shape, as angles broadcast over
-  the batch are cheaper), zero-padded to the values' length, then the forward kernel."""
-  b = encodings.pope_cartesian(k, k_angle_pos, base=base).astype(q.dtype)
+  the batch are cheaper), zero-padded to the values' length, then the forward kernel. θ and
+  the all-zero bounded flags (without `bounded_softmax`) are trace-time constants, so a call
+  runs no XLA kernels for them."""
+  with jax.ensure_compile_time_eval():
+    freqs = encodings.pope_frequencies(q.shape[-1], base)                      # [H]
+  ang = encodings.angles(k_angle_pos, freqs)                                  # [B|1, S, 1, H]
+  b = encodings.polar_to_cartesian(k, ang, None, st.softplus).astype(q.dtype)
   b = _pad_to(b, v.shape[1], 1)
-  freqs = encodings.pope_frequencies(q.shape[-1], base)
-  rot = jnp.stack([jnp.broadcast_to(freqs, phase.shape), phase], axis=1)     # [N, 2, H]
   tile_rows = st.COMPUTE_WGS * blocks.block_q
   if bounded_softmax(blocks, q.dtype):
     bounded = bounded_tiles(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), magnitude_scale,
                             tile_rows)
   else:
-    bounded = jnp.zeros((q.shape[0], q.shape[2], q.shape[1] // tile_rows), jnp.int32)
-  return b, pope_attention_fwd(q, rot, angle_pos, b, v, q_pos, k_pos, *tables[0], bounded,
-                               blocks=blocks, magnitude_scale=magnitude_scale, save_a=save_a)
+    bounded = np.zeros((q.shape[0], q.shape[2], q.shape[1] // tile_rows), np.int32)
+  return b, pope_attention_fwd(q, freqs, phase, angle_pos, b, v, q_pos, k_pos, *tables[0],
+                               bounded, blocks=blocks, magnitude_scale=magnitude_scale,
+                               save_a=save_a)
 
 
 def _query_vjp_in_kernel(dtype) -> bool:

@@ -53,7 +53,7 @@ def cartesian_halves(x, pos, freq, phase, magnitude_scale: float, dtype):
 
   Returns:
     (μ cos φ, μ sin φ)·magnitude_scale, each [R, H] in `dtype`, φ = pos·θ + phase, μ =
-    softplus(x) = max(x, 0) + log(1 + exp(-|x|)). As in the reference map, pos·θ is one
+    softplus(x) (`_streaming.softplus`). As in the reference map, pos·θ is one
     float32 product and the phase is added without rounding it again: pos·θ is reduced to
     about [-π, π] first (Cody-Waite, 2π in two parts; the subtraction is exact below 4e5
     rad), then the phase (|phase| <= 2π) is added and the sum wrapped back by 2π. cos and sin
@@ -66,8 +66,7 @@ def cartesian_halves(x, pos, freq, phase, magnitude_scale: float, dtype):
   ang = ang - turns * _TWO_PI_HI - turns * _TWO_PI_LO + st.broadcast(phase, (rows, h), 1)
   ang = jnp.where(ang > math.pi, ang - 2 * math.pi, jnp.where(ang < -math.pi, ang + 2 * math.pi,
                                                               ang))
-  x = x.astype(jnp.float32)
-  mag = (jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))) * magnitude_scale
+  mag = st.softplus(x) * magnitude_scale
   return (mag * jnp.cos(ang)).astype(dtype), (mag * jnp.sin(ang)).astype(dtype)
 
 
@@ -108,7 +107,7 @@ def _scratch(blocks: BlockSizes, stages: int, h: int, vd: int, dtype, save_a: bo
       plgpu.SMEM((stages, bk, d), dtype, transforms=tf),
       plgpu.SMEM((stages, bk, vd), dtype, transforms=tf),
       plgpu.SMEM((stages, bk), jnp.float32),
-      plgpu.Barrier(num_arrivals=3, num_barriers=wgs),
+      plgpu.Barrier(num_arrivals=4, num_barriers=wgs),
       plgpu.Barrier(num_barriers=wgs),
       st.ready_barrier(stages, 3),
       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
@@ -138,14 +137,15 @@ def forward_stages(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool) -> 
 
 
 @functools.partial(jax.jit, static_argnames=('blocks', 'magnitude_scale', 'save_a'))
-def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule, bounded, *,
+def pope_attention_fwd(q, freq, phase, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
+                       bounded, *,
                        blocks: BlockSizes,
                        magnitude_scale: float, save_a: bool = False):
   """Runs the forward kernel.
 
   Args:
     q: [B, T, N, H] bf16/fp16 raw queries (before softplus).
-    rot: [N, 2, H] float32: per head θ_c (row 0) and the query phase -δ_c (row 1).
+    freq: [H] float32 θ_c; phase: [N, H] float32 per head the query phase -δ_c.
     q_angle_pos: [B, T] float32 query positions of the angles (padding rows: any finite value).
     b: [B, S, K, D] Cartesian keys, same dtype, D = 2H.
     v: [B, S, K, V] values, same dtype.
@@ -187,8 +187,8 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
   #   that scheduler off (--xla_cpu_enable_concurrency_optimized_scheduler=false).
   ping_pong = blocks.ping_pong and not st.interpreted()
 
-  def pope_fwd_kernel(q_ref, rot_ref, qang_ref, b_ref, v_ref, qpos_ref, kpos_ref, tab_ref,
-                      sched_ref, bnd_ref, o_ref, lse_ref, *rest):
+  def pope_fwd_kernel(q_ref, freq_ref, phase_ref, qang_ref, b_ref, v_ref, qpos_ref, kpos_ref,
+                      tab_ref, sched_ref, bnd_ref, o_ref, lse_ref, *rest):
     if save_a:
       a_ref, *rest = rest
     if a_in_smem:
@@ -215,7 +215,8 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
         batch, head, tile = tile_of(item)
         rows = pl.ds((tile * st.COMPUTE_WGS + wg) * bq, bq)
         plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[wg], q_bar.at[wg])
-        plgpu.copy_gmem_to_smem(rot_ref.at[head], rot_smem.at[wg], q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(freq_ref, rot_smem.at[wg, 0], q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(phase_ref.at[head], rot_smem.at[wg, 1], q_bar.at[wg])
         plgpu.copy_gmem_to_smem(qang_ref.at[batch, rows], qang_smem.at[wg], q_bar.at[wg])
         plgpu.copy_gmem_to_smem(qpos_ref.at[batch, rows], qpos_smem.at[wg], qpos_bar.at[wg])
 
@@ -290,6 +291,9 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
         def scores(slot):
           return a_lhs, b_smem.at[slot].transpose((1, 0)), (bq, bk)
 
+        def row_sum(p):
+          return st.row_reduce(p, jnp.add, tree=blocks.tree_reduce)
+
         @jax.named_scope("softmax")
         def softmax(s_blk, m_i, l_i, slot, mode, cast=True, bounded=False):
           """Online softmax of one score tile: (m, l, P, alpha), alpha = the factor of the old
@@ -303,13 +307,14 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
           if bounded:
             p = jnp.exp2(s_blk)
             if ones_smem is None:
-              l_i = l_i + p.sum(axis=1)
+              l_i = l_i + row_sum(p)
             return m_i, l_i, p.astype(dtype) if cast else p, None
-          m_new = jnp.maximum(m_i, s_blk.max(axis=1))
+          m_new = jnp.maximum(m_i, st.row_reduce(s_blk, jnp.maximum,
+                                                 tree=blocks.tree_reduce))
           alpha = jnp.exp2(m_i - m_new)
           p = jnp.exp2(s_blk - st.broadcast(m_new, (bq, bk), 0))
           if ones_smem is None:
-            l_i = l_i * alpha + p.sum(axis=1)
+            l_i = l_i * alpha + row_sum(p)
           else:  # [bq, ROW_SUM_COLS]; P @ 1 is added with PV (`pv`)
             l_i = rescale(l_i, alpha)
           if cast:
@@ -464,4 +469,4 @@ def pope_attention_fwd(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
       num_threads=st.COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=st.compiler_params(),
-  )(q, rot, q_angle_pos, b, v, q_pos, k_pos, table, schedule, bounded)
+  )(q, freq, phase, q_angle_pos, b, v, q_pos, k_pos, table, schedule, bounded)
