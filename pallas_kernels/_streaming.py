@@ -525,25 +525,6 @@ def tile_transforms(width: int = 64):
   return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
 
-def row_reduce(x, op, *, tree: bool):
-  """x [R, C] float32 in the WGMMA layout reduced over columns with `op` (jnp.maximum or
-  jnp.add), [R] in `WGMMA.reduce(1)`.
-
-  With `tree`, the columns are first folded in halves (`op` of the left and right half) while
-  they are wider than 8, the WGMMA layout's tile width, so each level is independent
-  per-register work (a column slice at a multiple of 8 selects registers, it moves no data);
-  the last 8 columns take Mosaic GPU's reduction (in-thread, then 2 warp shuffles). Without
-  it Mosaic GPU reduces all C columns of a row in one chain of dependent instructions with 4
-  (max) or 8 (sum) partial accumulators. The same number of operations either way; the tree
-  has log2(C / 8) + 3 levels instead of about C / 4.
-  """
-  if tree:
-    while x.shape[1] > 8 and x.shape[1] % 16 == 0:
-      half = x.shape[1] // 2
-      x = op(x[:, :half], x[:, half:])
-  return x.max(axis=1) if op is jnp.maximum else x.sum(axis=1)
-
-
 def softplus(x):
   """μ = softplus(x) as max(x, 0) + log(1 + exp(-|x|)), float32: the fused kernels' magnitude
   map (PoPE Eq. 3), in the forward kernel's query map and in the key map's XLA pass.

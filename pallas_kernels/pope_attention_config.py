@@ -78,11 +78,6 @@ class BlockSizes:
       PoPE language model trained on Shakespeare had 43.8 % of its tiles bounded (2.9 % in its
       last layer; run 18 D): measure a model's share with `experiments.score_bounds` before
       turning this on. Not with `overlap`.
-    tree_reduce: forward only: the softmax's row max and row sum fold the score tile's columns
-      in halves first (`_streaming.row_reduce`), so the reduction is a tree of independent
-      per-register operations rather than Mosaic GPU's chain of 4 (max) or 8 (sum) partial
-      accumulators over the 128 columns. Under ping-pong only one warp per SM sub-partition
-      runs its softmax at a time, so the chain's latency is not hidden by another warp.
     persistent: launch at most one CTA per SM, each looping over its share of the resident
       tiles, instead of one CTA per tile. The memory warpgroup streams the next tile's first
       keys (or queries) while the compute warpgroups finish a tile, and the forward loads the
@@ -112,7 +107,6 @@ class BlockSizes:
   persistent: bool = True
   row_sum_mma: bool = False
   bounded_softmax: bool = False
-  tree_reduce: bool = False
 
   def __post_init__(self):
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",
@@ -121,7 +115,7 @@ class BlockSizes:
       if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"BlockSizes.{field} must be an int, got {value!r}")
     for field in ("ping_pong", "overlap", "a_in_registers", "overlap_bwd", "split_dkv",
-                  "persistent", "row_sum_mma", "bounded_softmax", "tree_reduce"):
+                  "persistent", "row_sum_mma", "bounded_softmax"):
       if not isinstance(getattr(self, field), bool):
         raise TypeError(f"BlockSizes.{field} must be a bool, got {getattr(self, field)!r}")
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",

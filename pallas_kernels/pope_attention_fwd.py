@@ -291,9 +291,6 @@ def pope_attention_fwd(q, freq, phase, q_angle_pos, b, v, q_pos, k_pos, table, s
         def scores(slot):
           return a_lhs, b_smem.at[slot].transpose((1, 0)), (bq, bk)
 
-        def row_sum(p):
-          return st.row_reduce(p, jnp.add, tree=blocks.tree_reduce)
-
         @jax.named_scope("softmax")
         def softmax(s_blk, m_i, l_i, slot, mode, cast=True, bounded=False):
           """Online softmax of one score tile: (m, l, P, alpha), alpha = the factor of the old
@@ -307,14 +304,13 @@ def pope_attention_fwd(q, freq, phase, q_angle_pos, b, v, q_pos, k_pos, table, s
           if bounded:
             p = jnp.exp2(s_blk)
             if ones_smem is None:
-              l_i = l_i + row_sum(p)
+              l_i = l_i + p.sum(axis=1)
             return m_i, l_i, p.astype(dtype) if cast else p, None
-          m_new = jnp.maximum(m_i, st.row_reduce(s_blk, jnp.maximum,
-                                                 tree=blocks.tree_reduce))
+          m_new = jnp.maximum(m_i, s_blk.max(axis=1))
           alpha = jnp.exp2(m_i - m_new)
           p = jnp.exp2(s_blk - st.broadcast(m_new, (bq, bk), 0))
           if ones_smem is None:
-            l_i = l_i * alpha + row_sum(p)
+            l_i = l_i * alpha + p.sum(axis=1)
           else:  # [bq, ROW_SUM_COLS]; P @ 1 is added with PV (`pv`)
             l_i = rescale(l_i, alpha)
           if cast:

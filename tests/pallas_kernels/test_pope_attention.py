@@ -400,8 +400,6 @@ def test_item_schedule_balances_causal_tiles(monkeypatch):
     (BlockSizes(block_kv=64, stages_fwd=2), True),
     (BlockSizes(block_kv=64, row_sum_mma=True), True),
     (BlockSizes(block_kv=128, row_sum_mma=True, a_in_registers=False), False),
-    (BlockSizes(block_kv=64, tree_reduce=True), True),
-    (BlockSizes(block_kv=128, tree_reduce=True), False),
 ])
 def test_forward_schedules(blocks, is_causal):
   # Several key steps per query tile (block_kv 64): skipped, masked and full ranges (for the
@@ -500,8 +498,6 @@ def test_block_size_defaults_and_types():
     BlockSizes(row_sum_mma=1)
   with pytest.raises(TypeError, match="bounded_softmax"):
     BlockSizes(bounded_softmax=1)
-  with pytest.raises(TypeError, match="tree_reduce"):
-    BlockSizes(tree_reduce=1)
   with pytest.raises(ValueError, match="stages >= 3"):
     BlockSizes(overlap=True, ping_pong=True, stages=2)
 
@@ -557,15 +553,14 @@ def test_bounded_flags_route_each_tile(monkeypatch):
   assert finite[:, 128:].all() and finite[:, :, 0].all()
 
 
-@pytest.mark.parametrize("head_dim, row_sum_mma, tree_reduce",
-                         [(32, False, False), (64, True, False), (32, False, True)])
-def test_bounded_softmax_forward_and_grads(head_dim, row_sum_mma, tree_reduce):
+@pytest.mark.parametrize("head_dim, row_sum_mma", [(32, False), (64, True)])
+def test_bounded_softmax_forward_and_grads(head_dim, row_sum_mma):
   # Bounded tiles (exp2 of the scores, no running max) beside unbounded ones (online softmax):
   # large raw queries in the second 128-row tile of head 1 unflag that tile.
   q, k, v, delta, cot = _problem((1, 2, 1, head_dim), 256, 256, seed=21)
   q = q.at[:, 128:, 1].multiply(8.0)
   blocks = dataclasses.replace(default_block_sizes(head_dim), bounded_softmax=True,
-                               row_sum_mma=row_sum_mma, tree_reduce=tree_reduce)
+                               row_sum_mma=row_sum_mma)
   flags = np.asarray(kernel.bounded_tiles(q, k, 1 / (math.sqrt(head_dim) * math.log(2)), 128))
   assert flags[0, 1, 1] == 0 and flags.sum() == 3
 
