@@ -37,8 +37,9 @@ from pope_jax import attention, encodings
 from pallas_kernels import _streaming as st
 from pallas_kernels.pope_attention_bwd import pope_attention_dkv, pope_attention_dq
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
-from pallas_kernels.pope_attention_fwd import (BOUNDED_SCORE_LIMIT, bounded_softmax,
-                                               pope_attention_fwd)
+from pallas_kernels.pope_attention_fwd import (BOUNDED_SCORE_LIMIT, TABLE_DTYPE,
+                                               bounded_softmax, pope_attention_fwd,
+                                               use_query_tables)
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
@@ -177,9 +178,31 @@ def _forward(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, block
                             tile_rows)
   else:
     bounded = np.zeros((q.shape[0], q.shape[2], q.shape[1] // tile_rows), np.int32)
-  return b, pope_attention_fwd(q, freqs, phase, angle_pos, b, v, q_pos, k_pos, *tables[0],
-                               bounded, blocks=blocks, magnitude_scale=magnitude_scale,
-                               save_a=save_a)
+  rot, trig = query_angles(freqs, phase, angle_pos, tables=use_query_tables(
+      blocks, q.shape[-1], v.shape[-1], q.dtype, save_a))
+  return b, pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, *tables[0], bounded,
+                               blocks=blocks, magnitude_scale=magnitude_scale, save_a=save_a)
+
+
+def query_angles(freqs, phase, angle_pos, *, tables: bool):
+  """The forward kernel's query-angle operands (`pope_attention_fwd`'s rot and trig).
+
+  Args:
+    freqs: [H] float32 θ; phase: [N, H] float32 query phase -δ; angle_pos: [B or 1, T] float32
+      query angle positions.
+    tables: `pope_attention_fwd.use_query_tables`: the angles as one table of cos(pos·θ) and
+      sin(pos·θ), [2, B or 1, T, H] in `TABLE_DTYPE` (one small XLA pass over T·H, not over
+      the heads), with the phase as its cos and sin [N, H]; else θ, -δ and the positions, the
+      kernel computing cos and sin per element.
+
+  Returns:
+    (rot, trig): rot a pair of arrays, trig one array.
+  """
+  if not tables:
+    return (freqs, phase), angle_pos
+  ang = angle_pos[:, :, None] * freqs                                          # [B|1, T, H]
+  return (jnp.cos(phase), jnp.sin(phase)), jnp.stack([jnp.cos(ang), jnp.sin(ang)]).astype(
+      TABLE_DTYPE)
 
 
 def _query_vjp_in_kernel(dtype) -> bool:
@@ -247,7 +270,7 @@ def _resident_blocks(blocks: BlockSizes) -> tuple[tuple[int, int, bool], ...]:
 def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_len: int,
                        is_causal: bool, blocks: BlockSizes):
   """What the kernels take from the positions alone: the float32 query angle positions
-  [B, T_pad]; the key angle positions in their [S] / [B, S] shape, unpadded (`_forward` maps
+  [1, T_pad] for [T] positions, else [B, T_pad]; the key angle positions in their [S] / [B, S] shape, unpadded (`_forward` maps
   and pads the keys); the masking positions with padding sentinels, [B, T_pad] and [B, S_pad];
   and per kernel (`_resident_blocks`) the visit table, which streamed steps each resident tile
   sees (`st.visit_table`, exact for any positions). `pope_attention` evaluates this at trace
@@ -258,7 +281,8 @@ def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_le
   k_pos = jnp.broadcast_to(jnp.asarray(k_positions), (batch, s_len))
   mult = blocks.seq_multiple
   t_pad, s_pad = -(-t_len // mult) * mult, -(-s_len // mult) * mult
-  angle_pos = jax.lax.stop_gradient(_pad_to(q_pos, t_pad, 1))
+  q_angle = jnp.asarray(q_positions).astype(jnp.float32)
+  angle_pos = jax.lax.stop_gradient(_pad_to(q_angle.reshape(-1, t_len), t_pad, 1))
   qp = q_pos if is_causal else jnp.full(q_pos.shape, st.QUERY_SEES_ALL)
   qp = _pad_to(qp, t_pad, 1, st.QUERY_PAD)
   kp = _pad_to(k_pos.astype(jnp.float32), s_pad, 1, st.KEY_PAD)

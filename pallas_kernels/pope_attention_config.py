@@ -78,6 +78,13 @@ class BlockSizes:
       PoPE language model trained on Shakespeare had 43.8 % of its tiles bounded (2.9 % in its
       last layer; run 18 D): measure a model's share with `experiments.score_bounds` before
       turning this on. Not with `overlap`.
+    query_tables: forward only: the query map reads the cos and sin of each row's angles
+      pos·θ from two float16 tables [T, H] (computed once per call in XLA, shared by the
+      heads; `pope_attention.query_angles`) and rotates them by the head's phase -δ, instead of
+      computing cos and sin per element in the kernel: two transcendentals per element instead
+      of four, and no range reduction, on the SFUs the softmax's exp2 needs. Costs two
+      [block_q, H] float16 SMEM tiles per compute warpgroup; `default_block_sizes` turns it
+      off at head dim 128, where they do not fit beside three forward stages.
     persistent: launch at most one CTA per SM, each looping over its share of the resident
       tiles, instead of one CTA per tile. The memory warpgroup streams the next tile's first
       keys (or queries) while the compute warpgroups finish a tile, and the forward loads the
@@ -107,6 +114,7 @@ class BlockSizes:
   persistent: bool = True
   row_sum_mma: bool = False
   bounded_softmax: bool = False
+  query_tables: bool = True
 
   def __post_init__(self):
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",
@@ -115,7 +123,7 @@ class BlockSizes:
       if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"BlockSizes.{field} must be an int, got {value!r}")
     for field in ("ping_pong", "overlap", "a_in_registers", "overlap_bwd", "split_dkv",
-                  "persistent", "row_sum_mma", "bounded_softmax"):
+                  "persistent", "row_sum_mma", "bounded_softmax", "query_tables"):
       if not isinstance(getattr(self, field), bool):
         raise TypeError(f"BlockSizes.{field} must be a bool, got {getattr(self, field)!r}")
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",
@@ -178,4 +186,4 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
   if head_dim <= 64:
     return BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128, stages=2)
   return BlockSizes(block_q=64, block_kv=64, stages=2, ping_pong=False, overlap_bwd=True,
-                    split_dkv=True, row_sum_mma=True)
+                    split_dkv=True, row_sum_mma=True, query_tables=False)

@@ -40,6 +40,9 @@ BOUNDED_SCORE_LIMIT = 64.0
 # Width of the ones tile and of the row-sum accumulator of `BlockSizes.row_sum_mma`: the
 # narrowest wgmma B operand (a 32-byte swizzle of 16-bit elements).
 ROW_SUM_COLS = 16
+# The query angles' cos and sin tables of `BlockSizes.query_tables`: float16 holds [-1, 1] to
+# 2**-12 (bfloat16 only to 2**-9, the precision of the kernel's bf16 Cartesian queries).
+TABLE_DTYPE = jnp.float16
 
 
 def cartesian_halves(x, pos, freq, phase, magnitude_scale: float, dtype):
@@ -70,6 +73,33 @@ def cartesian_halves(x, pos, freq, phase, magnitude_scale: float, dtype):
   return (mag * jnp.cos(ang)).astype(dtype), (mag * jnp.sin(ang)).astype(dtype)
 
 
+def cartesian_halves_from_tables(x, cos_t, sin_t, cos_p, sin_p, magnitude_scale: float,
+                                 dtype):
+  """In-kernel PoPE Cartesian map of one tile from the cos and sin of its angles (PoPE Eq.
+  7-10; `BlockSizes.query_tables`), by angle addition as `encodings._cos_sin`.
+
+  Args:
+    x: [R, H] raw projections (any float dtype, WGMMA layout).
+    cos_t, sin_t: [R, H] cos(pos·θ) and sin(pos·θ) of the tile's rows (any float dtype; the
+      kernel's tables are float16, `TABLE_DTYPE`).
+    cos_p, sin_p: [H] float32 cos and sin of the phase added to pos·θ.
+    magnitude_scale: factor applied to softplus(x).
+    dtype: result dtype.
+
+  Returns:
+    (μ cos φ, μ sin φ)·magnitude_scale, each [R, H] in `dtype`, φ = pos·θ + phase, μ =
+    softplus(x) (`_streaming.softplus`): cos φ = cos_t cos_p - sin_t sin_p and sin φ = sin_t
+    cos_p + cos_t sin_p. Two transcendentals per element (the softplus) instead of the four
+    of `cartesian_halves`, and no range reduction.
+  """
+  rows, h = x.shape
+  cos_t, sin_t = cos_t.astype(jnp.float32), sin_t.astype(jnp.float32)
+  cos_p, sin_p = st.broadcast(cos_p, (rows, h), 1), st.broadcast(sin_p, (rows, h), 1)
+  mag = st.softplus(x) * magnitude_scale
+  return ((mag * (cos_t * cos_p - sin_t * sin_p)).astype(dtype),
+          (mag * (sin_t * cos_p + cos_t * sin_p)).astype(dtype))
+
+
 def bounded_softmax(blocks: BlockSizes, dtype) -> bool:
   """Whether the forward takes the softmax without a running max on bounded query tiles
   (`BlockSizes.bounded_softmax`): for bfloat16 only, whose P has float32's exponent range
@@ -92,22 +122,28 @@ def _a_in_smem(blocks: BlockSizes, h: int, vd: int, save_a: bool) -> bool:
   return not blocks.a_in_registers or (save_a and h != vd)
 
 
-def _scratch(blocks: BlockSizes, stages: int, h: int, vd: int, dtype, save_a: bool) -> list:
-  """The forward kernel's SMEM buffers and barriers, in the kernel's argument order."""
+def _scratch(blocks: BlockSizes, stages: int, h: int, vd: int, dtype, save_a: bool,
+             tables: bool) -> list:
+  """The forward kernel's SMEM buffers and barriers, in the kernel's argument order (`tables`:
+  `use_query_tables`)."""
   bq, bk, d, wgs = blocks.block_q, blocks.block_kv, 2 * h, st.COMPUTE_WGS
   tf = st.tile_transforms()
   scratch = [plgpu.SMEM((wgs, bq, d), dtype, transforms=tf)] if _a_in_smem(
       blocks, h, vd, save_a) else []
+  if tables:  # cos and sin of the query angles (`pope_attention.query_angles`)
+    trig = [plgpu.SMEM((wgs, bq, h), TABLE_DTYPE, transforms=st.tile_transforms(h))] * 2
+  else:  # the query angles' positions
+    trig = [plgpu.SMEM((wgs, bq), jnp.float32)]
   scratch += [
       plgpu.SMEM((wgs, bq, vd), dtype, transforms=tf),
       plgpu.SMEM((wgs, bq), jnp.float32),
       plgpu.SMEM((wgs, bq), jnp.float32),
       plgpu.SMEM((wgs, 2, h), jnp.float32),
-      plgpu.SMEM((wgs, bq), jnp.float32),
+      *trig,
       plgpu.SMEM((stages, bk, d), dtype, transforms=tf),
       plgpu.SMEM((stages, bk, vd), dtype, transforms=tf),
       plgpu.SMEM((stages, bk), jnp.float32),
-      plgpu.Barrier(num_arrivals=4, num_barriers=wgs),
+      plgpu.Barrier(num_arrivals=3 + len(trig), num_barriers=wgs),
       plgpu.Barrier(num_barriers=wgs),
       st.ready_barrier(stages, 3),
       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
@@ -132,21 +168,31 @@ def forward_stages(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool) -> 
   if blocks.stages_fwd is not None:
     return blocks.stages_fwd
   deep = max(3, blocks.stages)
-  fits = st.smem_bytes(_scratch(blocks, deep, h, vd, dtype, save_a)) <= st.smem_limit()
+  fits = st.smem_bytes(_scratch(blocks, deep, h, vd, dtype, save_a, False)) <= st.smem_limit()
   return deep if fits else blocks.stages
 
 
+def use_query_tables(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool) -> bool:
+  """Whether the forward maps the queries from cos and sin tables: `blocks.query_tables`,
+  where the tables' SMEM tiles fit beside the `forward_stages` pipeline (they never cost a
+  stage; e.g. not at H = 64 with V = 128). Arguments as `forward_stages`."""
+  stages = forward_stages(blocks, h, vd, dtype, save_a)
+  return blocks.query_tables and (
+      st.smem_bytes(_scratch(blocks, stages, h, vd, dtype, save_a, True)) <= st.smem_limit())
+
+
 @functools.partial(jax.jit, static_argnames=('blocks', 'magnitude_scale', 'save_a'))
-def pope_attention_fwd(q, freq, phase, q_angle_pos, b, v, q_pos, k_pos, table, schedule,
-                       bounded, *,
-                       blocks: BlockSizes,
-                       magnitude_scale: float, save_a: bool = False):
+def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounded, *,
+                       blocks: BlockSizes, magnitude_scale: float, save_a: bool = False):
   """Runs the forward kernel.
 
   Args:
     q: [B, T, N, H] bf16/fp16 raw queries (before softplus).
-    freq: [H] float32 θ_c; phase: [N, H] float32 per head the query phase -δ_c.
-    q_angle_pos: [B, T] float32 query positions of the angles (padding rows: any finite value).
+    rot, trig: the query angles, `pope_attention.query_angles`: where `use_query_tables`,
+      rot = (cos, sin) of the query phase -δ, each [N, H] float32, and trig [2, B or 1, T, H]
+      float16 the cos and sin of the positions' angles pos·θ; else rot = (θ [H], -δ [N, H])
+      float32 and trig the positions [B or 1, T] float32, mapped in the kernel
+      (`cartesian_halves`). Padding rows: any finite value.
     b: [B, S, K, D] Cartesian keys, same dtype, D = 2H.
     v: [B, S, K, V] values, same dtype.
     q_pos: [B, T] float32 query positions (padding rows: st.QUERY_PAD).
@@ -171,6 +217,9 @@ def pope_attention_fwd(q, freq, phase, q_angle_pos, b, v, q_pos, k_pos, table, s
   group = n_heads // kv_heads
   dtype = q.dtype
   stages = forward_stages(blocks, h, vd, dtype, save_a)
+  tables = use_query_tables(blocks, h, vd, dtype, save_a)
+  if trig.ndim != (4 if tables else 2):
+    raise ValueError(f"trig has shape {trig.shape}; use_query_tables is {tables} here")
   bq, bk = blocks.block_q, blocks.block_kv
   n_tiles = t_len // (st.COMPUTE_WGS * bq)
   grid = schedule.shape[0]
@@ -187,7 +236,7 @@ def pope_attention_fwd(q, freq, phase, q_angle_pos, b, v, q_pos, k_pos, table, s
   #   that scheduler off (--xla_cpu_enable_concurrency_optimized_scheduler=false).
   ping_pong = blocks.ping_pong and not st.interpreted()
 
-  def pope_fwd_kernel(q_ref, freq_ref, phase_ref, qang_ref, b_ref, v_ref, qpos_ref, kpos_ref,
+  def pope_fwd_kernel(q_ref, rot0_ref, rot1_ref, trig_ref, b_ref, v_ref, qpos_ref, kpos_ref,
                       tab_ref, sched_ref, bnd_ref, o_ref, lse_ref, *rest):
     if save_a:
       a_ref, *rest = rest
@@ -195,8 +244,9 @@ def pope_attention_fwd(q, freq, phase, q_angle_pos, b, v, q_pos, k_pos, table, s
       a_smem, *rest = rest
     else:
       a_smem = None
-    (o_smem, qpos_smem, lse_smem, rot_smem, qang_smem, b_smem, v_smem, kpos_smem,
-     q_bar, qpos_bar, ready, consumed, handshake_bar, *rest) = rest
+    o_smem, qpos_smem, lse_smem, rot_smem, *rest = rest
+    trig_smem, rest = rest[:2 if tables else 1], rest[2 if tables else 1:]
+    (b_smem, v_smem, kpos_smem, q_bar, qpos_bar, ready, consumed, handshake_bar, *rest) = rest
     q_smem = o_smem if q_in_o else rest.pop(0)
     ones_smem = rest.pop(0) if blocks.row_sum_mma else None
     wg = lax.axis_index("wg")
@@ -211,13 +261,20 @@ def pope_attention_fwd(q, freq, phase, q_angle_pos, b, v, q_pos, k_pos, table, s
 
       def load_queries(item):
         """Issues the copies of this warpgroup's query rows of an item: raw queries, the
-        angles' positions and θ, -δ (to q_bar), and the masking positions (to qpos_bar)."""
+        angles (`rot` and `trig`; to q_bar), and the masking positions (to qpos_bar)."""
         batch, head, tile = tile_of(item)
         rows = pl.ds((tile * st.COMPUTE_WGS + wg) * bq, bq)
         plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[wg], q_bar.at[wg])
-        plgpu.copy_gmem_to_smem(freq_ref, rot_smem.at[wg, 0], q_bar.at[wg])
-        plgpu.copy_gmem_to_smem(phase_ref.at[head], rot_smem.at[wg, 1], q_bar.at[wg])
-        plgpu.copy_gmem_to_smem(qang_ref.at[batch, rows], qang_smem.at[wg], q_bar.at[wg])
+        for i, ref in enumerate((rot0_ref, rot1_ref)):
+          plgpu.copy_gmem_to_smem(ref if rot[i].ndim == 1 else ref.at[head],
+                                  rot_smem.at[wg, i], q_bar.at[wg])
+        trig_batch = batch if trig.shape[-3 if tables else -2] > 1 else 0
+        if tables:
+          for i, buf in enumerate(trig_smem):
+            plgpu.copy_gmem_to_smem(trig_ref.at[i, trig_batch, rows], buf.at[wg], q_bar.at[wg])
+        else:
+          plgpu.copy_gmem_to_smem(trig_ref.at[trig_batch, rows], trig_smem[0].at[wg],
+                                  q_bar.at[wg])
         plgpu.copy_gmem_to_smem(qpos_ref.at[batch, rows], qpos_smem.at[wg], qpos_bar.at[wg])
 
       if not q_in_o:
@@ -252,10 +309,16 @@ def pope_attention_fwd(q, freq, phase, q_angle_pos, b, v, q_pos, k_pos, table, s
         with jax.named_scope("wait_q"):
           plgpu.barrier_wait(q_bar.at[wg])
         with jax.named_scope("query_map"):
-          halves = cartesian_halves(
-              plgpu.load(q_smem.at[wg], layout=plgpu.Layout.WGMMA),
-              st.row_vector(qang_smem.at[wg], 0), st.row_vector(rot_smem.at[wg, 0], 1),
-              st.row_vector(rot_smem.at[wg, 1], 1), magnitude_scale, dtype)
+          x = plgpu.load(q_smem.at[wg], layout=plgpu.Layout.WGMMA)
+          rot_rows = [st.row_vector(rot_smem.at[wg, i], 1) for i in range(2)]
+          if tables:
+            cos_t, sin_t = (plgpu.load(buf.at[wg], layout=plgpu.Layout.WGMMA)
+                            for buf in trig_smem)
+            halves = cartesian_halves_from_tables(x, cos_t, sin_t, *rot_rows, magnitude_scale,
+                                                  dtype)
+          else:
+            halves = cartesian_halves(x, st.row_vector(trig_smem[0].at[wg], 0), *rot_rows,
+                                      magnitude_scale, dtype)
           a = plgpu.layout_cast(jnp.concatenate(halves, axis=1), plgpu.Layout.WGMMA)
         plgpu.barrier_wait(qpos_bar.at[wg])
         qpos = st.row_vector(qpos_smem.at[wg], 0)
@@ -447,7 +510,7 @@ def pope_attention_fwd(q, freq, phase, q_angle_pos, b, v, q_pos, k_pos, table, s
       st.stream_keys(st.for_each_item(sched_ref), tile_of, tab_ref, (b_ref, v_ref, kpos_ref),
                      (b_smem, v_smem, kpos_smem), group, bk, stages, consumed, ready)
 
-  scratch = _scratch(blocks, stages, h, vd, dtype, save_a)
+  scratch = _scratch(blocks, stages, h, vd, dtype, save_a, tables)
   st.check_smem(scratch, "forward", f"at {stages} stages (BlockSizes.stages_fwd="
                 f"{blocks.stages_fwd}, stages={blocks.stages}) lower stages_fwd (or stages when "
                 "it is None), block_kv or block_q"
@@ -465,4 +528,4 @@ def pope_attention_fwd(q, freq, phase, q_angle_pos, b, v, q_pos, k_pos, table, s
       num_threads=st.COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=st.compiler_params(),
-  )(q, freq, phase, q_angle_pos, b, v, q_pos, k_pos, table, schedule, bounded)
+  )(q, *rot, trig, b, v, q_pos, k_pos, table, schedule, bounded)

@@ -59,6 +59,8 @@ def _lowered_text(h, vd, n, kh, change, dtype=jnp.bfloat16, is_causal=True):
     (64, 64, 2, 2, {"bounded_softmax": True}),
     (64, 64, 2, 2, {"bounded_softmax": True, "row_sum_mma": True}),
     (128, 128, 2, 1, {"bounded_softmax": True, "row_sum_mma": False}),
+    (64, 64, 2, 2, {"query_tables": False}),
+    (64, 128, 2, 2, {}),
 ])
 def test_gpu_paths_lower_for_cuda(gpu_paths, h, vd, n, kh, change):
   text = _lowered_text(h, vd, n, kh, change)

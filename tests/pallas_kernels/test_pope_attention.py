@@ -21,7 +21,9 @@ from pallas_kernels import pope_attention as kernel
 from pallas_kernels import _streaming
 from pallas_kernels.pope_attention_bwd import cartesian_vjp, pope_attention_dkv
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
-from pallas_kernels.pope_attention_fwd import cartesian_halves, forward_stages
+from pallas_kernels.pope_attention_fwd import (TABLE_DTYPE, cartesian_halves,
+                                               cartesian_halves_from_tables, forward_stages,
+                                               use_query_tables)
 from pope_jax import attention, encodings
 
 # The Mosaic GPU interpreter sometimes deadlocks on a 2-core machine (its warpgroups run as
@@ -133,6 +135,30 @@ def test_cartesian_halves_match_reference_map(head_dim, max_position):
   ref = 0.5 * encodings.polar_to_cartesian(x[None, :, None], pos_theta[None, :, None], phase)
   ref = np.asarray(ref, np.float64).reshape(got.shape)
   assert np.all(np.abs(got - ref) <= 2 * tol), np.max(np.abs(got - ref) / tol)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_cartesian_halves_from_tables_match_reference_map(head_dim):
+  # The forward's query map from float16 cos and sin tables of pos·θ (`BlockSizes.query_tables`)
+  # against PoPE Eq. 7-10 in float64 from the same float32 pos·θ: each table entry is within
+  # 2**-12 of its value, so cos φ and sin φ by angle addition are within 2**-12·√2.
+  ks = jax.random.split(jax.random.key(head_dim), 3)
+  x = jax.random.uniform(ks[0], (64, head_dim), jnp.float32, -30.0, 30.0)
+  pos = jnp.concatenate([jnp.arange(32.0), jax.random.randint(ks[1], (32,), 0, 1 << 20)
+                         .astype(jnp.float32)])
+  freq = encodings.pope_frequencies(head_dim)
+  phase = jax.random.uniform(ks[2], (head_dim,), jnp.float32, -2 * math.pi, 0.0)
+  pos_theta = pos[:, None] * freq                                      # float32
+  tables = (jnp.cos(pos_theta).astype(TABLE_DTYPE), jnp.sin(pos_theta).astype(TABLE_DTYPE))
+  got = cartesian_halves_from_tables(x, *tables, jnp.cos(phase), jnp.sin(phase), 0.5,
+                                     jnp.float32)
+  got = np.asarray(jnp.concatenate(got, axis=1), np.float64)
+  mag = 0.5 * np.logaddexp(0.0, np.asarray(x, np.float64))
+  ang = np.asarray(pos_theta, np.float64) + np.asarray(phase, np.float64)
+  want = np.concatenate([mag * np.cos(ang), mag * np.sin(ang)], axis=1)
+  tol = np.tile(mag * (2.0**-12 * math.sqrt(2) + 2.0**-20), 2) + 2.0**-23
+  assert np.all(np.abs(got - want) <= tol), np.max(np.abs(got - want) / tol)
+  assert np.abs(got - want).max() > 2.0**-16  # the tables' rounding shows: float16, not 32
 
 
 def test_explicit_positions_and_empty_rows():
@@ -400,6 +426,7 @@ def test_item_schedule_balances_causal_tiles(monkeypatch):
     (BlockSizes(block_kv=64, stages_fwd=2), True),
     (BlockSizes(block_kv=64, row_sum_mma=True), True),
     (BlockSizes(block_kv=128, row_sum_mma=True, a_in_registers=False), False),
+    (BlockSizes(block_kv=64, query_tables=False), True),
 ])
 def test_forward_schedules(blocks, is_causal):
   # Several key steps per query tile (block_kv 64): skipped, masked and full ranges (for the
@@ -459,6 +486,12 @@ def test_forward_stages_fit_in_smem(monkeypatch):
   assert forward_stages(a_in_smem, 128, 128, bf16, save_a=False) == 2
   too_deep = dataclasses.replace(a_in_smem, stages_fwd=4)
   assert forward_stages(too_deep, 128, 128, bf16, save_a=False) == 4
+  # The query tables where they fit beside those stages (never in place of one).
+  assert use_query_tables(h64, 64, 64, bf16, save_a=True)
+  assert use_query_tables(default_block_sizes(32), 32, 128, bf16, save_a=True)
+  assert not use_query_tables(h64, 64, 128, bf16, save_a=True)
+  assert not use_query_tables(dataclasses.replace(h64, query_tables=False), 64, 64, bf16, True)
+  assert not use_query_tables(h128, 128, 128, bf16, save_a=False)  # off by default there
   q = jnp.zeros((1, 128, 1, 128), bf16)
   with plgpu.force_gpu_interpret_mode(), pytest.raises(ValueError, match="stages_fwd"):
     kernel.pope_attention(q, q, q, block_sizes=too_deep)
@@ -498,6 +531,8 @@ def test_block_size_defaults_and_types():
     BlockSizes(row_sum_mma=1)
   with pytest.raises(TypeError, match="bounded_softmax"):
     BlockSizes(bounded_softmax=1)
+  with pytest.raises(TypeError, match="query_tables"):
+    BlockSizes(query_tables=1)
   with pytest.raises(ValueError, match="stages >= 3"):
     BlockSizes(overlap=True, ping_pong=True, stages=2)
 
