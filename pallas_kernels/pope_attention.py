@@ -5,10 +5,11 @@ PoPE (arXiv 2509.10534, Eq. 5/6) scores a_ts = Σ_c μq_tc μk_sc cos((s - t)θ_
   q'_t = [μq cos(tθ - δ), μq sin(tθ - δ)],  k'_s = [μk cos sθ, μk sin sθ],
 it is ordinary attention over width 2H. The keys are mapped to that form in one fused XLA pass
 (float32 angles, bf16/fp16 result); the forward kernel reads the raw queries and maps each query
-tile itself (the scale and log2(e) folded into q'), saving the result for the backward kernels
-when differentiated. The flash-attention kernels of `pope_attention_fwd` / `pope_attention_bwd`
-run under a `jax.custom_vjp`. The backward kernels map their results through the Cartesian
-maps' VJP themselves (from a and b, `pope_attention_bwd.cartesian_vjp`): the dq kernel returns
+tile itself (the scale and log2(e) folded into q'; at H <= 64 from float16 cos/sin tables of the
+angles, `query_angles`), saving the result for the backward kernels when differentiated. The
+flash-attention kernels of `pope_attention_fwd` / `pope_attention_bwd` run under a
+`jax.custom_vjp`. The backward kernels map their results through the Cartesian maps' VJP
+themselves (from a and b, `pope_attention_bwd.cartesian_vjp`): the dq kernel returns
 dq and the angles' gradient, whose sum over batch and positions is δ's (for bf16; for fp16
 XLA maps the dq kernel's result, see `_query_vjp_in_kernel`); the dk/dv kernel returns dk.
 
@@ -269,9 +270,9 @@ def _resident_blocks(blocks: BlockSizes) -> tuple[tuple[int, int, bool], ...]:
 @functools.partial(jax.jit, static_argnames=("batch", "t_len", "s_len", "is_causal", "blocks"))
 def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_len: int,
                        is_causal: bool, blocks: BlockSizes):
-  """What the kernels take from the positions alone: the float32 query angle positions
-  [1, T_pad] for [T] positions, else [B, T_pad]; the key angle positions in their [S] / [B, S] shape, unpadded (`_forward` maps
-  and pads the keys); the masking positions with padding sentinels, [B, T_pad] and [B, S_pad];
+  """What the kernels take from the positions alone: the float32 query angle positions,
+  [1, T_pad] for [T] positions, else [B, T_pad]; the key angle positions in their [S] / [B, S]
+  shape, unpadded (`_forward` maps and pads the keys); the masking positions with padding sentinels, [B, T_pad] and [B, S_pad];
   and per kernel (`_resident_blocks`) the visit table, which streamed steps each resident tile
   sees (`st.visit_table`, exact for any positions). `pope_attention` evaluates this at trace
   time when the positions are concrete (the defaults, or arrays that are not traced), so a

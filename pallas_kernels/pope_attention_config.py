@@ -83,8 +83,11 @@ class BlockSizes:
       heads; `pope_attention.query_angles`) and rotates them by the head's phase -δ, instead of
       computing cos and sin per element in the kernel: two transcendentals per element instead
       of four, and no range reduction, on the SFUs the softmax's exp2 needs. Costs two
-      [block_q, H] float16 SMEM tiles per compute warpgroup; `default_block_sizes` turns it
-      off at head dim 128, where they do not fit beside three forward stages.
+      [block_q, H] float16 SMEM tiles per compute warpgroup, used only where they fit beside
+      the forward's stages (`pope_attention_fwd.use_query_tables`; not at H = 64 with V = 128);
+      `default_block_sizes` turns it off at head dim 128, where they never do. On the H200
+      (docs/results, run 21) the H = 64 forward 3.6 % faster on average over four pairs (each
+      pair's faster row), kernel device time 0.411 -> 0.398 ms.
     persistent: launch at most one CTA per SM, each looping over its share of the resident
       tiles, instead of one CTA per tile. The memory warpgroup streams the next tile's first
       keys (or queries) while the compute warpgroups finish a tile, and the forward loads the
@@ -182,6 +185,7 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
   noise at H = 64; run 16). `bounded_softmax` stays off: it pays only where the magnitudes
   bound every score (run 17: 3.6-7.9 % faster forward then, 6.8 % slower where no tile is
   bounded), and a trained 12-layer PoPE language model had 43.8 % of its tiles bounded (run 18).
+  At H <= 64 the forward maps the queries from cos and sin tables (`query_tables`, run 21).
   """
   if head_dim <= 64:
     return BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128, stages=2)
