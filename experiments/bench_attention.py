@@ -12,13 +12,14 @@ forward+backward is counted as 2.5× forward (the usual FlashAttention conventio
 the fastest PoPE baseline row.
 
   python -m experiments.bench_attention --out results.json [--dtypes bfloat16,float16]
-      [--variants] [--profile] [--check [--check-dtypes bfloat16,float16]]
+      [--variants] [--profile] [--check [--check-dtypes bfloat16,float16] [--check-shapes A,B]]
       [--train-step [--train-batch N] [--logits-dtype compute] [--train-breakdown]]
 
 --dtypes: the main tables' input dtypes (default bfloat16, the speed target's).
 --check compares the kernel's output and gradients with the float32 XLA reference on small
-shapes, in each dtype of --check-dtypes (default bfloat16), and exits 1 (after writing the JSON)
-if any is off by more than --check-tol.
+shapes (the check_* shapes of `pallas_kernels.shapes`, or those of --check-shapes), in each
+dtype of --check-dtypes (default bfloat16), and exits 1 (after writing the JSON) if any is off
+by more than --check-tol.
 --profile adds device time per op (`experiments.profile_ops`) of the PoPE fwd+bwd paths at head
 dims 64 and 128 and, with --train-step, of both train steps.
 """
@@ -426,6 +427,9 @@ def main():
                            '\'{"overlap": true, "stages_fwd": 3, "row_sum_mma": false}\'')
   parser.add_argument("--check-dtypes", default="bfloat16",
                       help="--check input dtypes, comma-separated (bfloat16, float16)")
+  parser.add_argument("--check-shapes", default="",
+                      help="--check only these shapes of pallas_kernels.shapes, comma-separated "
+                           "(default: every check_* shape)")
   parser.add_argument("--dtypes", default="bfloat16",
                       help="main tables' input dtypes, comma-separated (bfloat16, float16)")
   parser.add_argument("--variants", action="store_true", help="time block-size variants")
@@ -449,6 +453,10 @@ def main():
     return names
 
   dtypes = dtype_list("--check-dtypes", args.check_dtypes)
+  check_shapes = [n.strip() for n in args.check_shapes.split(",") if n.strip()] or [
+      n for n in SHAPES if n.startswith("check")]
+  if unknown := [n for n in check_shapes if n not in SHAPES]:
+    parser.error(f"--check-shapes: unknown {unknown}; known: {sorted(SHAPES)}")
   bench_dtypes = dtype_list("--dtypes", args.dtypes)
   try:
     import tokamax  # noqa: F401
@@ -461,7 +469,7 @@ def main():
   print(results, flush=True)
   if args.check:
     changes = [{}] + [json.loads(c) for c in args.check_blocks]
-    results["check"] = check([n for n in SHAPES if n.startswith("check")], changes, dtypes)
+    results["check"] = check(check_shapes, changes, dtypes)
   if not args.skip_bench:
     # Keys: the shape's name, followed by the dtype for dtypes other than bfloat16.
     results["bench"] = {n if d == "bfloat16" else f"{n} {d}":

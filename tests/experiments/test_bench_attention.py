@@ -2,8 +2,10 @@
 timings on CPU mean nothing)."""
 
 import math
+import sys
 
 import jax.numpy as jnp
+import pytest
 
 from experiments import bench_attention
 
@@ -43,3 +45,12 @@ def test_check_inputs_mix_bounded_and_unbounded_tiles():
     q = jnp.pad(q, ((0, 0), (0, t_pad - q.shape[1]), (0, 0), (0, 0)))
     flags = kernel.bounded_tiles(q, k, 1 / math.sqrt(shape.head_dim) / math.log(2), 128)
     assert 0 < int(flags.sum()) < flags.size, (name, flags)
+
+
+def test_unknown_check_shape_is_a_usage_error(monkeypatch, capsys):
+  monkeypatch.setattr(sys, "argv", ["bench_attention", "--check", "--check-shapes",
+                                    "check_h64,check_h65"])
+  with pytest.raises(SystemExit) as exit_info:
+    bench_attention.main()
+  assert exit_info.value.code == 2
+  assert "check_h65" in capsys.readouterr().err
