@@ -529,8 +529,8 @@ def softplus(x):
   """μ = softplus(x) as max(x, 0) + log(1 + exp(-|x|)), float32: the fused kernels' magnitude
   map (PoPE Eq. 3), in the forward kernel's query map and in the key map's XLA pass.
 
-  Cheaper than `jax.nn.softplus` (log, not log1p: the key map's pass 0.042 -> 0.038 ms at
-  [4, 4096, 16, 64] on the H200, docs/results run 20); within 6e-8 of it in absolute terms,
+  Cheaper than `jax.nn.softplus` (log, not log1p: the key map's pass 0.037 -> 0.032 ms at
+  [4, 4096, 16, 64] on the H200, docs/results run 21); within 6e-8 of it in absolute terms,
   so it loses relative precision only where μ < 5e-5 (x below about -10), which no score
   can resolve in bf16/fp16.
   """

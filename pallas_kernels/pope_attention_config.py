@@ -79,7 +79,7 @@ class BlockSizes:
       last layer; run 18 D): measure a model's share with `experiments.score_bounds` before
       turning this on. Not with `overlap`.
     query_tables: forward only: the query map reads the cos and sin of each row's angles
-      pos·θ from two float16 tables [T, H] (computed once per call in XLA, shared by the
+      pos·θ from a float16 table [2, T, H] (computed once per call in XLA, shared by the
       heads; `pope_attention.query_angles`) and rotates them by the head's phase -δ, instead of
       computing cos and sin per element in the kernel: two transcendentals per element instead
       of four, and no range reduction, on the SFUs the softmax's exp2 needs. Costs two
