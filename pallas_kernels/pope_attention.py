@@ -273,10 +273,10 @@ def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_le
   """What the kernels take from the positions alone: the float32 query angle positions,
   [1, T_pad] for [T] positions, else [B, T_pad]; the key angle positions in their [S] / [B, S]
   shape, unpadded (`_forward` maps and pads the keys); the masking positions with padding
-  sentinels, [B, T_pad] and [B, S_pad]; and per kernel (`_resident_blocks`) the visit table, which streamed steps each resident tile
-  sees (`st.visit_table`, exact for any positions). `pope_attention` evaluates this at trace
-  time when the positions are concrete (the defaults, or arrays that are not traced), so a
-  call then runs no kernels for it."""
+  sentinels, [B, T_pad] and [B, S_pad]; and per kernel (`_resident_blocks`) the visit table,
+  which streamed steps each resident tile sees (`st.visit_table`, exact for any positions).
+  `pope_attention` evaluates this at trace time when the positions are concrete (the defaults,
+  or arrays that are not traced), so a call then runs no kernels for it."""
   k_angle_pos = jax.lax.stop_gradient(jnp.asarray(k_positions).astype(jnp.float32))
   q_pos = jnp.broadcast_to(jnp.asarray(q_positions), (batch, t_len)).astype(jnp.float32)
   k_pos = jnp.broadcast_to(jnp.asarray(k_positions), (batch, s_len))
