@@ -113,11 +113,11 @@ def _pad_to(x, length: int, axis: int, value=0):
   return jnp.pad(x, pad, constant_values=value)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
-def _flash(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, blocks: BlockSizes,
-           base: float, magnitude_scale: float):
-  return _forward(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, blocks, base,
-                  magnitude_scale, save_a=False)[1][0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12))
+def _flash(q, phase, k, v, angle_pos, q_table, k_trig, q_pos, k_pos, tables,
+           blocks: BlockSizes, base: float, magnitude_scale: float):
+  return _forward(q, phase, k, v, angle_pos, q_table, k_trig, q_pos, k_pos, tables, blocks,
+                  base, magnitude_scale, save_a=False)[1][0]
 
 
 def tile_score_bound(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
@@ -162,48 +162,90 @@ def bounded_tiles(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
   return (bound <= BOUNDED_SCORE_LIMIT).astype(jnp.int32)
 
 
-def _forward(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, blocks, base,
-             magnitude_scale, *, save_a):
-  """The key map (one XLA pass; positions in their [S] / [B, S] shape, as angles broadcast over
-  the batch are cheaper), zero-padded to the values' length, then the forward kernel. θ and
-  the all-zero bounded flags (without `bounded_softmax`) are trace-time constants, so a call
-  runs no XLA kernels for them."""
+def _forward(q, phase, k, v, angle_pos, q_table, k_trig, q_pos, k_pos, tables, blocks,
+             base, magnitude_scale, *, save_a):
+  """The key map (`key_map`, one XLA pass), zero-padded to the values' length, then the forward
+  kernel. θ and the all-zero bounded flags (without `bounded_softmax`) are trace-time
+  constants, so a call runs no XLA kernels for them."""
   with jax.ensure_compile_time_eval():
     freqs = encodings.pope_frequencies(q.shape[-1], base)                      # [H]
-  ang = encodings.angles(k_angle_pos, freqs)                                  # [B|1, S, 1, H]
-  b = encodings.polar_to_cartesian(k, ang, None, st.softplus).astype(q.dtype)
-  b = _pad_to(b, v.shape[1], 1)
+  b = _pad_to(key_map(k, k_trig), v.shape[1], 1)
   tile_rows = st.COMPUTE_WGS * blocks.block_q
   if bounded_softmax(blocks, q.dtype):
     bounded = bounded_tiles(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), magnitude_scale,
                             tile_rows)
   else:
     bounded = np.zeros((q.shape[0], q.shape[2], q.shape[1] // tile_rows), np.int32)
-  rot, trig = query_angles(freqs, phase, angle_pos, tables=use_query_tables(
+  rot, trig = query_angles(freqs, phase, angle_pos, q_table, tables=use_query_tables(
       blocks, q.shape[-1], v.shape[-1], q.dtype, save_a))
   return b, pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, *tables[0], bounded,
                                blocks=blocks, magnitude_scale=magnitude_scale, save_a=save_a)
 
 
-def query_angles(freqs, phase, angle_pos, *, tables: bool):
+def query_table(angle_pos, freqs):
+  """cos(pos·θ) and sin(pos·θ) of the query angles for `BlockSizes.query_tables`.
+
+  Args:
+    angle_pos: [B or 1, T] float32 query angle positions; freqs: [H] float32 θ.
+
+  Returns:
+    [2, B or 1, T, H] in `TABLE_DTYPE` (the angles pos·θ in float32). A position operand
+    (`_position_operands`): a trace-time constant when the positions are concrete, else one
+    small XLA pass over T·H per call (not over the heads).
+  """
+  ang = angle_pos[:, :, None] * freqs
+  return jnp.stack([jnp.cos(ang), jnp.sin(ang)]).astype(TABLE_DTYPE)
+
+
+def key_table(k_positions, freqs):
+  """[cos sθ, sin sθ] of the keys' angles, the factor of the key map (`key_map`).
+
+  Args:
+    k_positions: [S] or [B, S] integer key positions; freqs: [H] float32 θ.
+
+  Returns:
+    [B or 1, S, 1, 2H] float32 (the angles sθ in float32, as `encodings.angles`). A position
+    operand (`_position_operands`): a trace-time constant when the positions are concrete, so
+    the key map is then one XLA pass with no trigonometry; else one small pass over S·H per
+    call.
+  """
+  ang = encodings.angles(k_positions, freqs)
+  return jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=-1)
+
+
+def key_map(k, k_trig):
+  """The Cartesian keys b = [μk cos sθ, μk sin sθ] (PoPE Eq. 7-10 without a phase, which sits
+  on the queries; `encodings.polar_to_cartesian`), μk = softplus(k) in the kernels' form
+  (`_streaming.softplus`), one XLA pass over the keys. Forward only: the dk/dv kernel applies
+  the map's VJP itself (`pope_attention_bwd.cartesian_vjp`).
+
+  Args:
+    k: [B, S, K, H] raw keys, bf16/fp16; k_trig: their `key_table`, [B or 1, S, 1, 2H] float32.
+
+  Returns:
+    [B, S, K, 2H] in k's dtype.
+  """
+  mag = st.softplus(jnp.concatenate([k, k], axis=-1))
+  return (mag * k_trig).astype(k.dtype)
+
+
+def query_angles(freqs, phase, angle_pos, q_table, *, tables: bool):
   """The forward kernel's query-angle operands (`pope_attention_fwd`'s rot and trig).
 
   Args:
     freqs: [H] float32 θ; phase: [N, H] float32 query phase -δ; angle_pos: [B or 1, T] float32
-      query angle positions.
-    tables: `pope_attention_fwd.use_query_tables`: the angles as one table of cos(pos·θ) and
-      sin(pos·θ), [2, B or 1, T, H] in `TABLE_DTYPE` (one small XLA pass over T·H, not over
-      the heads), with the phase as its cos and sin [N, H]; else θ, -δ and the positions, the
-      kernel computing cos and sin per element.
+      query angle positions; q_table: their `query_table`, or None without
+      `BlockSizes.query_tables`.
+    tables: `pope_attention_fwd.use_query_tables`: the angles as q_table, with the phase as its
+      cos and sin [N, H]; else θ, -δ and the positions, the kernel computing cos and sin per
+      element.
 
   Returns:
     (rot, trig): rot a pair of arrays, trig one array.
   """
   if not tables:
     return (freqs, phase), angle_pos
-  ang = angle_pos[:, :, None] * freqs                                          # [B|1, T, H]
-  return (jnp.cos(phase), jnp.sin(phase)), jnp.stack([jnp.cos(ang), jnp.sin(ang)]).astype(
-      TABLE_DTYPE)
+  return (jnp.cos(phase), jnp.sin(phase)), q_table
 
 
 def _query_vjp_in_kernel(dtype) -> bool:
@@ -214,16 +256,16 @@ def _query_vjp_in_kernel(dtype) -> bool:
   return jnp.dtype(dtype) != jnp.dtype(jnp.float16)
 
 
-def _flash_fwd(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, blocks, base,
-               magnitude_scale):
-  b, (out, lse, a) = _forward(q, phase, k, v, angle_pos, k_angle_pos, q_pos, k_pos, tables,
-                              blocks, base, magnitude_scale, save_a=True)
+def _flash_fwd(q, phase, k, v, angle_pos, q_table, k_trig, q_pos, k_pos, tables, blocks,
+               base, magnitude_scale):
+  b, (out, lse, a) = _forward(q, phase, k, v, angle_pos, q_table, k_trig, q_pos, k_pos,
+                              tables, blocks, base, magnitude_scale, save_a=True)
   query = () if _query_vjp_in_kernel(q.dtype) else (q, phase)  # for the map's VJP in XLA
-  return out, (a, b, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, out, lse, query)
+  return out, (a, b, v, angle_pos, k_trig, q_pos, k_pos, tables, out, lse, query)
 
 
 def _flash_bwd(blocks, base, magnitude_scale, res, d_out):
-  a, b, v, angle_pos, k_angle_pos, q_pos, k_pos, tables, out, lse, query = res
+  a, b, v, angle_pos, k_trig, q_pos, k_pos, tables, out, lse, query = res
   delta = jnp.einsum("btnv,btnv->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
   d_out = d_out.astype(a.dtype)
   args = (a, b, v, d_out, lse, delta, q_pos, k_pos)
@@ -252,8 +294,8 @@ def _flash_bwd(blocks, base, magnitude_scale, res, d_out):
       x = x.reshape(bsz, s_pad, kv_heads, group, x.shape[-1]).astype(jnp.float32)
       return x.sum(3).astype(a.dtype)
     dk, dv = group_sum(dk), group_sum(dv)
-  dk = dk[:, :k_angle_pos.shape[-1]]  # k is not padded (b is, after the map).
-  return (dq, dphase, dk, dv, jnp.zeros_like(angle_pos), jnp.zeros_like(k_angle_pos),
+  dk = dk[:, :k_trig.shape[1]]  # k is not padded (b is, after the map).
+  return (dq, dphase, dk, dv, jnp.zeros_like(angle_pos), None, None,
           jnp.zeros_like(q_pos), jnp.zeros_like(k_pos), None)
 
 
@@ -267,23 +309,27 @@ def _resident_blocks(blocks: BlockSizes) -> tuple[tuple[int, int, bool], ...]:
           (blocks.block_kv_dkv, blocks.block_q_dkv, False))
 
 
-@functools.partial(jax.jit, static_argnames=("batch", "t_len", "s_len", "is_causal", "blocks"))
+@functools.partial(jax.jit, static_argnames=("batch", "t_len", "s_len", "is_causal", "blocks",
+                                             "head_dim", "base"))
 def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_len: int,
-                       is_causal: bool, blocks: BlockSizes):
+                       is_causal: bool, blocks: BlockSizes, head_dim: int, base: float):
   """What the kernels take from the positions alone: the float32 query angle positions,
-  [1, T_pad] for [T] positions, else [B, T_pad]; the key angle positions in their [S] / [B, S]
-  shape, unpadded (`_forward` maps and pads the keys); the masking positions with padding
-  sentinels, [B, T_pad] and [B, S_pad]; and per kernel (`_resident_blocks`) the visit table,
-  which streamed steps each resident tile sees (`st.visit_table`, exact for any positions).
+  [1, T_pad] for [T] positions, else [B, T_pad], and with `blocks.query_tables` their
+  `query_table` (else None); the keys' `key_table`, unpadded (`_forward` maps and pads the
+  keys); the masking positions with padding sentinels, [B, T_pad] and [B, S_pad]; and per
+  kernel (`_resident_blocks`) the visit table, which streamed steps each resident tile sees
+  (`st.visit_table`, exact for any positions).
   `pope_attention` evaluates this at trace time when the positions are concrete (the defaults,
   or arrays that are not traced), so a call then runs no kernels for it."""
-  k_angle_pos = jax.lax.stop_gradient(jnp.asarray(k_positions).astype(jnp.float32))
   q_pos = jnp.broadcast_to(jnp.asarray(q_positions), (batch, t_len)).astype(jnp.float32)
   k_pos = jnp.broadcast_to(jnp.asarray(k_positions), (batch, s_len))
   mult = blocks.seq_multiple
   t_pad, s_pad = -(-t_len // mult) * mult, -(-s_len // mult) * mult
   q_angle = jnp.asarray(q_positions).astype(jnp.float32)
   angle_pos = jax.lax.stop_gradient(_pad_to(q_angle.reshape(-1, t_len), t_pad, 1))
+  freqs = encodings.pope_frequencies(head_dim, base)
+  q_table = query_table(angle_pos, freqs) if blocks.query_tables else None
+  k_trig = jax.lax.stop_gradient(key_table(k_positions, freqs))
   qp = q_pos if is_causal else jnp.full(q_pos.shape, st.QUERY_SEES_ALL)
   qp = _pad_to(qp, t_pad, 1, st.QUERY_PAD)
   kp = _pad_to(k_pos.astype(jnp.float32), s_pad, 1, st.KEY_PAD)
@@ -291,13 +337,13 @@ def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_le
   visits = tuple(st.visit_table(*((qp, kp) if queries else (kp, qp)), row_block, col_block,
                                 rows_are_queries=queries)
                  for row_block, col_block, queries in _resident_blocks(blocks))
-  return angle_pos, k_angle_pos, qp, kp, visits
+  return angle_pos, q_table, k_trig, qp, kp, visits
 
 
 @functools.partial(jax.jit, static_argnames=("base", "is_causal", "blocks"))
 def _prepare(q, k, v, delta, positions, *, base, is_causal, blocks):
-  """Operands: padded raw q, the query phase -δ, raw k with its float32 positions (unpadded:
-  `_forward` maps and pads them), padded v, positions and, per kernel, the visit table with
+  """Operands: padded raw q, the query phase -δ, raw k (unpadded: `_forward` maps and pads
+  it), padded v, positions and, per kernel, the visit table with
   which CTA runs which tiles (`st.launch_schedule`, balanced by the step counts of the default
   positions). `positions` is `_position_operands`' result."""
   bsz, t_len, n_heads, h = q.shape
@@ -305,7 +351,7 @@ def _prepare(q, k, v, delta, positions, *, base, is_causal, blocks):
   # δ on the query side as -δ (the same score as δ on the keys, Eq. 5).
   phase = (jnp.zeros((n_heads, h), jnp.float32) if delta is None
            else -encodings.clamp_phase_bias(delta.astype(jnp.float32)))
-  angle_pos, k_angle_pos, qp, kp, visits = positions
+  angle_pos, q_table, k_trig, qp, kp, visits = positions
   t_pad, s_pad = qp.shape[1], kp.shape[1]
   v_pad = -(-vd // 64) * 64
   qr = _pad_to(q, t_pad, 1)
@@ -324,13 +370,15 @@ def _prepare(q, k, v, delta, positions, *, base, is_causal, blocks):
 
   tables = tuple((visit, schedule(*kernel))
                  for visit, kernel in zip(visits, _resident_blocks(blocks)))
-  return qr, phase, k, vp, angle_pos, k_angle_pos, qp, kp, tables
+  return qr, phase, k, vp, angle_pos, q_table, k_trig, qp, kp, tables
 
 
-def _positions(q_positions, k_positions, *, batch, t_len, s_len, is_causal, blocks):
+def _positions(q_positions, k_positions, *, batch, t_len, s_len, is_causal, blocks, head_dim,
+               base):
   """`_position_operands`, evaluated at trace time (constants of the caller's computation)
   unless a position array is traced."""
-  kw = dict(batch=batch, t_len=t_len, s_len=s_len, is_causal=is_causal, blocks=blocks)
+  kw = dict(batch=batch, t_len=t_len, s_len=s_len, is_causal=is_causal, blocks=blocks,
+            head_dim=head_dim, base=base)
   if any(isinstance(p, jax.core.Tracer) for p in (q_positions, k_positions)):
     return _position_operands(q_positions, k_positions, **kw)
   with jax.ensure_compile_time_eval():
@@ -381,7 +429,7 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
                                        keep_numpy=True)
   attention.check_positions(q_positions, k_positions, q.shape[0], t_len, s_len)
   positions = _positions(q_positions, k_positions, batch=q.shape[0], t_len=t_len, s_len=s_len,
-                         is_causal=is_causal, blocks=blocks)
+                         is_causal=is_causal, blocks=blocks, head_dim=h, base=base)
   operands = _prepare(q, k, v, delta, positions, base=base, is_causal=is_causal, blocks=blocks)
   out = _flash(*operands, blocks, base, scale * _LOG2E)
   return out[:, :t_len, :, :v.shape[-1]]

@@ -16,9 +16,8 @@ Sources:
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import Callable, Literal
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -289,9 +288,8 @@ def _cos_sin(ang: Array, phase: Array | None, full_size: int) -> tuple[Array, Ar
   return cos_a * cos_p - sin_a * sin_p, sin_a * cos_p + cos_a * sin_p
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def polar_to_cartesian(x: Array, ang: Array, phase: Array | None = None,
-                       softplus: Callable[[Array], Array] = jax.nn.softplus) -> Array:
+@jax.custom_vjp
+def polar_to_cartesian(x: Array, ang: Array, phase: Array | None = None) -> Array:
   """[softplus(x) cos φ, softplus(x) sin φ], φ = ang + phase (PoPE Eq. 7-10), hand-written VJP.
 
   The value is one elementwise expression over the 2H output columns, so XLA computes it in one
@@ -307,8 +305,6 @@ def polar_to_cartesian(x: Array, ang: Array, phase: Array | None = None,
     x: [B, T, N, H] raw projections, any float dtype.
     ang: float32 angles of x's rank, the two broadcastable ([B|1, T|1, N|1, H]).
     phase: None or a float32 phase broadcastable to x's last axes (e.g. [N, H]).
-    softplus: the magnitude function on float32 (the fused kernel's key map passes its cheaper
-      form, `pallas_kernels._streaming.softplus`); its derivative is taken as sigmoid.
 
   Returns:
     [B, T, N, 2H] float32.
@@ -320,24 +316,24 @@ def polar_to_cartesian(x: Array, ang: Array, phase: Array | None = None,
     raise ValueError(f"angles must have x's rank {x.ndim} (broadcastable to {x.shape}), got "
                      f"shape {ang.shape}")
   cos, sin = _cos_sin(ang, phase, _loop_size(x, ang))
-  mag = softplus(jnp.concatenate([x, x], axis=-1).astype(jnp.float32))
+  mag = pope_magnitudes(jnp.concatenate([x, x], axis=-1))
   h = cos.shape[-1]
   return mag * jnp.where(jnp.arange(2 * h) < h, jnp.concatenate([cos, cos], axis=-1),
                          jnp.concatenate([sin, sin], axis=-1))
 
 
-def _polar_to_cartesian_fwd(x, ang, phase, softplus):
-  return polar_to_cartesian(x, ang, phase, softplus), (x, ang, phase)
+def _polar_to_cartesian_fwd(x, ang, phase):
+  return polar_to_cartesian(x, ang, phase), (x, ang, phase)
 
 
-def _polar_to_cartesian_bwd(softplus, res, g):
+def _polar_to_cartesian_bwd(res, g):
   x, ang, phase = res
   h = x.shape[-1]
   g_cos, g_sin = g[..., :h].astype(jnp.float32), g[..., h:].astype(jnp.float32)
   xf = x.astype(jnp.float32)
   cos, sin = _cos_sin(ang, phase, _loop_size(x, ang))
   dx = jax.nn.sigmoid(xf) * (g_cos * cos + g_sin * sin)
-  d_ang = softplus(xf) * (g_sin * cos - g_cos * sin)
+  d_ang = jax.nn.softplus(xf) * (g_sin * cos - g_cos * sin)
   d_phase = None if phase is None else _sum_to(d_ang, phase.shape).astype(phase.dtype)
   return (_sum_to(dx, x.shape).astype(x.dtype), _sum_to(d_ang, ang.shape).astype(ang.dtype),
           d_phase)

@@ -8,6 +8,7 @@ kernels are shared between draws of one (B, N, K, H) family (CI time).
 import dataclasses
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -204,9 +205,15 @@ def test_concrete_positions_are_trace_time_constants(positions):
   fn = lambda q: attention.pope_attention(q, k, v, delta, is_causal=True,
                                           implementation="pallas", **positions)
   traced = lambda q, p: kernel.pope_attention(q, k, v, delta, is_causal=True, q_positions=p)
+  # Nor the trigonometry of the query and key tables (`query_table` [1, T_pad = 128, H],
+  # `key_table` [1, S, 1, H]): only the phase's, [N, H].
+  table_cos = re.compile(r"stablehlo.cosine %[\w#]+ : tensor<1x(128x32|40x1x32)xf32>")
   with plgpu.force_gpu_interpret_mode():
-    assert "stablehlo.reduce" not in jax.jit(fn).lower(q).as_text()
-    assert "stablehlo.reduce" in jax.jit(traced).lower(q, jnp.arange(20, 40)).as_text()
+    text = jax.jit(fn).lower(q).as_text()
+    assert "stablehlo.reduce" not in text and not table_cos.search(text)
+    assert re.search(r"stablehlo.cosine %[\w#]+ : tensor<2x32xf32>", text)
+    text = jax.jit(traced).lower(q, jnp.arange(20, 40)).as_text()
+    assert "stablehlo.reduce" in text and table_cos.search(text)
 
 
 def test_x64_mode_raises_a_clear_error():
@@ -384,7 +391,8 @@ def test_persistent_launch_over_tiles(head_dim, persistent, is_causal):
   q_pos = jnp.arange(300) + 30
   kw = dict(is_causal=is_causal, q_positions=q_pos)
   positions = kernel._positions(q_pos, jnp.arange(330), batch=1, t_len=300, s_len=330,
-                                is_causal=is_causal, blocks=blocks)
+                                is_causal=is_causal, blocks=blocks, head_dim=head_dim,
+                                base=10000.0)
   tables = kernel._prepare(q, k, v, delta, positions, base=10000.0, is_causal=is_causal,
                            blocks=blocks)[-1]
   for _, schedule in tables:
