@@ -32,7 +32,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pope_jax import attention, encodings
 from pallas_kernels import _streaming as st
@@ -165,17 +164,16 @@ def bounded_tiles(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
 def _forward(q, phase, k, v, angle_pos, q_table, k_trig, q_pos, k_pos, tables, blocks,
              base, magnitude_scale, *, save_a):
   """The key map (`key_map`, one XLA pass), zero-padded to the values' length, then the forward
-  kernel. θ and the all-zero bounded flags (without `bounded_softmax`) are trace-time
-  constants, so a call runs no XLA kernels for them."""
+  kernel. θ is a trace-time constant; without `bounded_softmax` the kernel takes no bounded
+  flags (an all-zero constant cost an XLA kernel per call that broadcast it)."""
   with jax.ensure_compile_time_eval():
     freqs = encodings.pope_frequencies(q.shape[-1], base)                      # [H]
   b = _pad_to(key_map(k, k_trig), v.shape[1], 1)
   tile_rows = st.COMPUTE_WGS * blocks.block_q
+  bounded = None
   if bounded_softmax(blocks, q.dtype):
     bounded = bounded_tiles(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), magnitude_scale,
                             tile_rows)
-  else:
-    bounded = np.zeros((q.shape[0], q.shape[2], q.shape[1] // tile_rows), np.int32)
   rot, trig = query_angles(freqs, phase, angle_pos, q_table, tables=use_query_tables(
       blocks, q.shape[-1], v.shape[-1], q.dtype, save_a))
   return b, pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, *tables[0], bounded,

@@ -200,8 +200,8 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
     table: [B, T / (2 block_q), 10] int32 from `st.visit_table`.
     schedule: the CTAs' items, int32 from `st.launch_schedule` (queries resident, tiles of
       2 block_q rows).
-    bounded: [B, N, T / (2 block_q)] int32, 1 where every score of the tile is within
-      ±BOUNDED_SCORE_LIMIT (`pope_attention.bounded_tiles`); read only under `bounded_softmax`.
+    bounded: under `bounded_softmax`, [B, N, T / (2 block_q)] int32, 1 where every score of
+      the tile is within ±BOUNDED_SCORE_LIMIT (`pope_attention.bounded_tiles`); else None.
     blocks: tile sizes.
     magnitude_scale: factor of the query magnitudes (the logit scale times log2 e).
     save_a: also return the Cartesian queries a.
@@ -237,7 +237,9 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
   ping_pong = blocks.ping_pong and not st.interpreted()
 
   def pope_fwd_kernel(q_ref, rot0_ref, rot1_ref, trig_ref, b_ref, v_ref, qpos_ref, kpos_ref,
-                      tab_ref, sched_ref, bnd_ref, o_ref, lse_ref, *rest):
+                      tab_ref, sched_ref, *rest):
+    bnd_ref, *rest = rest if bounded is not None else (None, *rest)
+    o_ref, lse_ref, *rest = rest
     if save_a:
       a_ref, *rest = rest
     if a_in_smem:
@@ -528,4 +530,4 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
       num_threads=st.COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=st.compiler_params(),
-  )(q, *rot, trig, b, v, q_pos, k_pos, table, schedule, bounded)
+  )(q, *rot, trig, b, v, q_pos, k_pos, table, schedule, *([] if bounded is None else [bounded]))
