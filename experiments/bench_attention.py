@@ -9,7 +9,8 @@ implementation="pallas")`) and the same with `BlockSizes.bounded_softmax` (opt-i
 bench's N(0, 1) inputs every query tile is bounded); plain RoPE attention with cuDNN for
 scale. FLOPs: PoPE forward causal = 6·B·N·S²·H/2 (q'k'ᵀ over 2H plus PV over H);
 forward+backward is counted as 2.5× forward (the usual FlashAttention convention). Ratios are to
-the fastest PoPE baseline row.
+the fastest PoPE baseline row. Times are wall clock per call, the median of `TIMING_WINDOWS`
+windows of --iters calls each (`_time_ms`).
 
   python -m experiments.bench_attention --out results.json [--dtypes bfloat16,float16]
       [--variants] [--profile] [--check [--check-dtypes bfloat16,float16] [--check-shapes A,B]]
@@ -50,14 +51,23 @@ PEAK_TFLOPS = 790.0  # measured bf16 dense matmul peak on the H200 (issue text)
 SPEC_PEAK_TFLOPS = 989.4  # H200 SXM datasheet bf16 dense peak: the usual MFU denominator
 
 
-def _time_ms(fn, *args, iters: int) -> float:
+TIMING_WINDOWS = 5
+
+
+def _time_ms(fn, *args, iters: int, windows: int = TIMING_WINDOWS) -> float:
+  """Wall-clock ms per call: the median over `windows` windows of `iters` back-to-back calls
+  each (the mean within a window), after two warm-up calls. Runs up to 21 (docs/results) used
+  one window."""
   jax.block_until_ready(fn(*args))
   jax.block_until_ready(fn(*args))
-  start = time.perf_counter()
-  for _ in range(iters):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - start) / iters * 1e3
+  per_call = []
+  for _ in range(windows):
+    start = time.perf_counter()
+    for _ in range(iters):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    per_call.append((time.perf_counter() - start) / iters * 1e3)
+  return float(np.median(per_call))
 
 
 def _inputs(shape: AttentionShape, dtype=jnp.bfloat16, seed: int = 0):
@@ -418,7 +428,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--out", default="bench_attention.json", help="JSON results file")
-  parser.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
+  parser.add_argument("--iters", type=int, default=20, help="timed calls per window (`_time_ms`)")
   parser.add_argument("--check", action="store_true", help="kernel vs reference first")
   parser.add_argument("--check-tol", type=float, default=2e-2,
                       help="--check fails (exit 1) above this max |error| / max |reference|")
