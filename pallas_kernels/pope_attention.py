@@ -4,11 +4,12 @@ PoPE (arXiv 2509.10534, Eq. 5/6) scores a_ts = Σ_c μq_tc μk_sc cos((s - t)θ_
 μ = softplus, θ_c = base^(-c/H). Written as a dot product of 2H-wide Cartesian vectors,
   q'_t = [μq cos(tθ - δ), μq sin(tθ - δ)],  k'_s = [μk cos sθ, μk sin sθ],
 it is ordinary attention over width 2H. The keys are mapped to that form in one fused XLA pass
-(float32 angles, bf16/fp16 result); the forward kernel reads the raw queries and maps each query
-tile itself (the scale and log2(e) folded into q'; at H <= 64 from float16 cos/sin tables of the
-angles, `query_angles`), saving the result for the backward kernels when differentiated. The
-flash-attention kernels of `pope_attention_fwd` / `pope_attention_bwd` run under a
-`jax.custom_vjp`. The backward kernels map their results through the Cartesian maps' VJP
+(`key_map`, from float32 cos/sin of the angles, bf16/fp16 result); the forward kernel reads the
+raw queries and maps each query tile itself (the scale and log2(e) folded into q'; at H <= 64
+from float16 cos/sin tables of the angles, `query_table`), saving the result for the backward
+kernels when differentiated. Both tables depend on the positions alone: with concrete positions
+they are trace-time constants (`_position_operands`). The flash-attention kernels of
+`pope_attention_fwd` / `pope_attention_bwd` run under a `jax.custom_vjp`. The backward kernels map their results through the Cartesian maps' VJP
 themselves (from a and b, `pope_attention_bwd.cartesian_vjp`): the dq kernel returns
 dq and the angles' gradient, whose sum over batch and positions is δ's (for bf16; for fp16
 XLA maps the dq kernel's result, see `_query_vjp_in_kernel`); the dk/dv kernel returns dk.
@@ -398,7 +399,8 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
     q_positions, k_positions: [T] / [S] or [B, T] / [B, S] int; default: keys arange(S),
       queries S - T + arange(T) when T <= S, else arange(T). Concrete positions (the
       defaults, numpy arrays or int sequences, jax arrays closed over rather than computed
-      inside the caller's jit) become trace-time constants (`_position_operands`); traced
+      inside the caller's jit) become trace-time constants (`_position_operands`; with the
+      angle tables, about 8·S·H + 4·T·H bytes per call site for [T] / [S] positions); traced
       ones (jit arguments, or e.g. `jnp.arange(T)` inside jit) cost a few small XLA ops per
       call.
     scale: logit scale, default 1/sqrt(H).
