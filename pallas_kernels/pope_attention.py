@@ -8,8 +8,9 @@ it is ordinary attention over width 2H. The keys are mapped to that form in one 
 raw queries and maps each query tile itself (the scale and log2(e) folded into q'; at H <= 64
 from float16 cos/sin tables of the angles, `query_table`), saving the result for the backward
 kernels when differentiated. Both tables depend on the positions alone: with concrete positions
-they are trace-time constants (`_position_operands`). The flash-attention kernels of
-`pope_attention_fwd` / `pope_attention_bwd` run under a `jax.custom_vjp`. The backward kernels map their results through the Cartesian maps' VJP
+they are trace-time constants (`_positions`, up to MAX_CONSTANT_TABLE_BYTES). The
+flash-attention kernels of `pope_attention_fwd` / `pope_attention_bwd` run under a
+`jax.custom_vjp`. The backward kernels map their results through the Cartesian maps' VJP
 themselves (from a and b, `pope_attention_bwd.cartesian_vjp`): the dq kernel returns
 dq and the angles' gradient, whose sum over batch and positions is δ's (for bf16; for fp16
 XLA maps the dq kernel's result, see `_query_vjp_in_kernel`); the dk/dv kernel returns dk.
@@ -28,6 +29,7 @@ V value head dim.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -189,8 +191,8 @@ def query_table(angle_pos, freqs):
 
   Returns:
     [2, B or 1, T, H] in `TABLE_DTYPE` (the angles pos·θ in float32). A position operand
-    (`_position_operands`): a trace-time constant when the positions are concrete, else one
-    small XLA pass over T·H per call (not over the heads).
+    (`_angle_tables`): a trace-time constant when the positions are concrete (`_positions`),
+    else one small XLA pass over T·H per call (not over the heads).
   """
   ang = angle_pos[:, :, None] * freqs
   return jnp.stack([jnp.cos(ang), jnp.sin(ang)]).astype(TABLE_DTYPE)
@@ -204,9 +206,9 @@ def key_table(k_positions, freqs):
 
   Returns:
     [B or 1, S, 1, 2H] float32 (the angles sθ in float32, as `encodings.angles`). A position
-    operand (`_position_operands`): a trace-time constant when the positions are concrete, so
-    the key map is then one XLA pass with no trigonometry; else one small pass over S·H per
-    call.
+    operand (`_angle_tables`): a trace-time constant when the positions are concrete
+    (`_positions`), so the key map is then one XLA pass with no trigonometry; else one small
+    pass over S·H per call.
   """
   ang = encodings.angles(k_positions, freqs)
   return jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=-1)
@@ -308,27 +310,24 @@ def _resident_blocks(blocks: BlockSizes) -> tuple[tuple[int, int, bool], ...]:
           (blocks.block_kv_dkv, blocks.block_q_dkv, False))
 
 
-@functools.partial(jax.jit, static_argnames=("batch", "t_len", "s_len", "is_causal", "blocks",
-                                             "head_dim", "base"))
+@functools.partial(jax.jit, static_argnames=("batch", "t_len", "s_len", "is_causal", "blocks"))
 def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_len: int,
-                       is_causal: bool, blocks: BlockSizes, head_dim: int, base: float):
-  """What the kernels take from the positions alone: the float32 query angle positions,
-  [1, T_pad] for [T] positions, else [B, T_pad], and with `blocks.query_tables` their
-  `query_table` (else None); the keys' `key_table`, unpadded (`_forward` maps and pads the
-  keys); the masking positions with padding sentinels, [B, T_pad] and [B, S_pad]; and per
-  kernel (`_resident_blocks`) the visit table, which streamed steps each resident tile sees
-  (`st.visit_table`, exact for any positions).
-  `pope_attention` evaluates this at trace time when the positions are concrete (the defaults,
-  or arrays that are not traced), so a call then runs no kernels for it."""
+                       is_causal: bool, blocks: BlockSizes):
+  """What the kernels take from the positions alone, but for the angle tables
+  (`_angle_tables`): the float32 query angle positions, [1, T_pad] for [T] positions, else
+  [B, T_pad]; the float32 key positions in their [S] / [B, S] shape, unpadded (`_forward` maps
+  and pads the keys); the masking positions with padding sentinels, [B, T_pad] and [B, S_pad];
+  and per kernel (`_resident_blocks`) the visit table, which streamed steps each resident tile
+  sees (`st.visit_table`, exact for any positions). `pope_attention` evaluates this at trace
+  time when the positions are concrete (the defaults, or arrays that are not traced), so a call
+  then runs no kernels for it."""
   q_pos = jnp.broadcast_to(jnp.asarray(q_positions), (batch, t_len)).astype(jnp.float32)
   k_pos = jnp.broadcast_to(jnp.asarray(k_positions), (batch, s_len))
   mult = blocks.seq_multiple
   t_pad, s_pad = -(-t_len // mult) * mult, -(-s_len // mult) * mult
   q_angle = jnp.asarray(q_positions).astype(jnp.float32)
   angle_pos = jax.lax.stop_gradient(_pad_to(q_angle.reshape(-1, t_len), t_pad, 1))
-  freqs = encodings.pope_frequencies(head_dim, base)
-  q_table = query_table(angle_pos, freqs) if blocks.query_tables else None
-  k_trig = jax.lax.stop_gradient(key_table(k_positions, freqs))
+  k_angle_pos = jax.lax.stop_gradient(jnp.asarray(k_positions).astype(jnp.float32))
   qp = q_pos if is_causal else jnp.full(q_pos.shape, st.QUERY_SEES_ALL)
   qp = _pad_to(qp, t_pad, 1, st.QUERY_PAD)
   kp = _pad_to(k_pos.astype(jnp.float32), s_pad, 1, st.KEY_PAD)
@@ -336,15 +335,34 @@ def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_le
   visits = tuple(st.visit_table(*((qp, kp) if queries else (kp, qp)), row_block, col_block,
                                 rows_are_queries=queries)
                  for row_block, col_block, queries in _resident_blocks(blocks))
-  return angle_pos, q_table, k_trig, qp, kp, visits
+  return angle_pos, k_angle_pos, qp, kp, visits
+
+
+# Angle tables of concrete positions up to this many bytes per call become trace-time constants
+# of the caller's program (e.g. 3 MiB at T = S = 4096, H = 64); larger ones are computed in each
+# call, O(S·H) work beside attention's O(T·S·H), which keeps long-context programs small.
+MAX_CONSTANT_TABLE_BYTES = 4 << 20
+
+
+def _angle_tables(angle_pos, k_angle_pos, *, head_dim: int, base: float, query_tables: bool):
+  """The query table (`query_table`, None without `query_tables`) and the key map's
+  `key_table`, from `_position_operands`' angle positions."""
+  freqs = encodings.pope_frequencies(head_dim, base)
+  q_table = query_table(angle_pos, freqs) if query_tables else None
+  return q_table, jax.lax.stop_gradient(key_table(k_angle_pos, freqs))
+
+
+def _table_bytes(angle_pos, k_angle_pos, head_dim: int, query_tables: bool) -> int:
+  q_bytes = 2 * angle_pos.size * head_dim * jnp.dtype(TABLE_DTYPE).itemsize
+  return 8 * k_angle_pos.size * head_dim + (q_bytes if query_tables else 0)
 
 
 @functools.partial(jax.jit, static_argnames=("base", "is_causal", "blocks"))
 def _prepare(q, k, v, delta, positions, *, base, is_causal, blocks):
   """Operands: padded raw q, the query phase -δ, raw k (unpadded: `_forward` maps and pads
-  it), padded v, positions and, per kernel, the visit table with
-  which CTA runs which tiles (`st.launch_schedule`, balanced by the step counts of the default
-  positions). `positions` is `_position_operands`' result."""
+  it), padded v, positions and angle tables, and per kernel the visit table with which CTA
+  runs which tiles (`st.launch_schedule`, balanced by the step counts of the default
+  positions). `positions` is `_positions`' result."""
   bsz, t_len, n_heads, h = q.shape
   s_len, vd = k.shape[1], v.shape[-1]
   # δ on the query side as -δ (the same score as δ on the keys, Eq. 5).
@@ -374,14 +392,19 @@ def _prepare(q, k, v, delta, positions, *, base, is_causal, blocks):
 
 def _positions(q_positions, k_positions, *, batch, t_len, s_len, is_causal, blocks, head_dim,
                base):
-  """`_position_operands`, evaluated at trace time (constants of the caller's computation)
-  unless a position array is traced."""
-  kw = dict(batch=batch, t_len=t_len, s_len=s_len, is_causal=is_causal, blocks=blocks,
-            head_dim=head_dim, base=base)
-  if any(isinstance(p, jax.core.Tracer) for p in (q_positions, k_positions)):
-    return _position_operands(q_positions, k_positions, **kw)
-  with jax.ensure_compile_time_eval():
-    return _position_operands(q_positions, k_positions, **kw)
+  """`_position_operands` and `_angle_tables`, evaluated at trace time (constants of the
+  caller's computation) unless a position array is traced; the angle tables only up to
+  MAX_CONSTANT_TABLE_BYTES."""
+  kw = dict(batch=batch, t_len=t_len, s_len=s_len, is_causal=is_causal, blocks=blocks)
+  traced = any(isinstance(p, jax.core.Tracer) for p in (q_positions, k_positions))
+  with jax.ensure_compile_time_eval() if not traced else contextlib.nullcontext():
+    angle_pos, k_angle_pos, qp, kp, visits = _position_operands(q_positions, k_positions, **kw)
+  table_kw = dict(head_dim=head_dim, base=base, query_tables=blocks.query_tables)
+  constant = not traced and _table_bytes(angle_pos, k_angle_pos, head_dim,
+                                         blocks.query_tables) <= MAX_CONSTANT_TABLE_BYTES
+  with jax.ensure_compile_time_eval() if constant else contextlib.nullcontext():
+    q_table, k_trig = _angle_tables(angle_pos, k_angle_pos, **table_kw)
+  return angle_pos, q_table, k_trig, qp, kp, visits
 
 
 def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: bool = False,
@@ -399,8 +422,8 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
     q_positions, k_positions: [T] / [S] or [B, T] / [B, S] int; default: keys arange(S),
       queries S - T + arange(T) when T <= S, else arange(T). Concrete positions (the
       defaults, numpy arrays or int sequences, jax arrays closed over rather than computed
-      inside the caller's jit) become trace-time constants (`_position_operands`; with the
-      angle tables, about 8·S·H + 4·T·H bytes per call site for [T] / [S] positions); traced
+      inside the caller's jit) become trace-time constants (`_positions`; the angle tables,
+      8·S·H + 4·T·H bytes for [T] / [S] positions, up to MAX_CONSTANT_TABLE_BYTES); traced
       ones (jit arguments, or e.g. `jnp.arange(T)` inside jit) cost a few small XLA ops per
       call.
     scale: logit scale, default 1/sqrt(H).

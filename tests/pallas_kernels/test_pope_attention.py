@@ -216,6 +216,23 @@ def test_concrete_positions_are_trace_time_constants(positions):
     assert "stablehlo.reduce" in text and table_cos.search(text)
 
 
+def test_large_angle_tables_are_computed_in_the_call(monkeypatch):
+  # Above MAX_CONSTANT_TABLE_BYTES the angle tables of concrete positions are computed in the
+  # call (the visit tables stay constants), with the same result.
+  q, k, v, delta, _ = _problem((1, 2, 1, 32), 20, 40, seed=2)
+  def fn(q):  # A new function per trace: jit caches traces by function.
+    return attention.pope_attention(q, k, v, delta, is_causal=True, implementation="pallas")
+  with plgpu.force_gpu_interpret_mode():
+    want = jax.jit(fn)(q)
+    monkeypatch.setattr(kernel, "MAX_CONSTANT_TABLE_BYTES", 0)
+    large = lambda q: fn(q)
+    text = jax.jit(large).lower(q).as_text()
+    assert "stablehlo.reduce" not in text
+    assert re.search(r"stablehlo.cosine %[\w#]+ : tensor<1x40x1x32xf32>", text)
+    np.testing.assert_array_equal(np.asarray(jax.jit(large)(q), np.float32),
+                                  np.asarray(want, np.float32))
+
+
 def test_x64_mode_raises_a_clear_error():
   q, k, v, delta, _ = _problem((1, 2, 1, 32), 20, 40, seed=2)
   with jax.enable_x64(True):
