@@ -262,11 +262,12 @@ def _flash_fwd(q, phase, k, v, angle_pos, q_table, k_trig, q_pos, k_pos, tables,
   b, (out, lse, a) = _forward(q, phase, k, v, angle_pos, q_table, k_trig, q_pos, k_pos,
                               tables, blocks, base, magnitude_scale, save_a=True)
   query = () if _query_vjp_in_kernel(q.dtype) else (q, phase)  # for the map's VJP in XLA
-  return out, (a, b, v, angle_pos, k_trig, q_pos, k_pos, tables, out, lse, query)
+  key_len = jnp.zeros((k.shape[1], 0), jnp.int8)  # k's length S, without keeping k_trig
+  return out, (a, b, v, angle_pos, key_len, q_pos, k_pos, tables, out, lse, query)
 
 
 def _flash_bwd(blocks, base, magnitude_scale, res, d_out):
-  a, b, v, angle_pos, k_trig, q_pos, k_pos, tables, out, lse, query = res
+  a, b, v, angle_pos, key_len, q_pos, k_pos, tables, out, lse, query = res
   delta = jnp.einsum("btnv,btnv->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
   d_out = d_out.astype(a.dtype)
   args = (a, b, v, d_out, lse, delta, q_pos, k_pos)
@@ -295,7 +296,7 @@ def _flash_bwd(blocks, base, magnitude_scale, res, d_out):
       x = x.reshape(bsz, s_pad, kv_heads, group, x.shape[-1]).astype(jnp.float32)
       return x.sum(3).astype(a.dtype)
     dk, dv = group_sum(dk), group_sum(dv)
-  dk = dk[:, :k_trig.shape[1]]  # k is not padded (b is, after the map).
+  dk = dk[:, :key_len.shape[0]]  # k is not padded (b is, after the map).
   return (dq, dphase, dk, dv, jnp.zeros_like(angle_pos), None, None,
           jnp.zeros_like(q_pos), jnp.zeros_like(k_pos), None)
 
