@@ -35,6 +35,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pope_jax import attention, encodings
 from pallas_kernels import _streaming as st
@@ -202,7 +203,7 @@ def key_table(k_positions, freqs):
   """[cos sθ, sin sθ] of the keys' angles, the factor of the key map (`key_map`).
 
   Args:
-    k_positions: [S] or [B, S] integer key positions; freqs: [H] float32 θ.
+    k_positions: [S] or [B, S] key positions (integer or float32); freqs: [H] float32 θ.
 
   Returns:
     [B or 1, S, 1, 2H] float32 (the angles sθ in float32, as `encodings.angles`). A position
@@ -316,8 +317,8 @@ def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_le
                        is_causal: bool, blocks: BlockSizes):
   """What the kernels take from the positions alone, but for the angle tables
   (`_angle_tables`): the float32 query angle positions, [1, T_pad] for [T] positions, else
-  [B, T_pad]; the float32 key positions in their [S] / [B, S] shape, unpadded (`_forward` maps
-  and pads the keys); the masking positions with padding sentinels, [B, T_pad] and [B, S_pad];
+  [B, T_pad]; the float32 key positions in their [S] / [B, S] shape, unpadded (for
+  `key_table`: `_forward` maps and pads the keys); the masking positions with padding sentinels, [B, T_pad] and [B, S_pad];
   and per kernel (`_resident_blocks`) the visit table, which streamed steps each resident tile
   sees (`st.visit_table`, exact for any positions). `pope_attention` evaluates this at trace
   time when the positions are concrete (the defaults, or arrays that are not traced), so a call
@@ -341,8 +342,11 @@ def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_le
 
 # Angle tables of concrete positions up to this many bytes per call become trace-time constants
 # of the caller's program (e.g. 3 MiB at T = S = 4096, H = 64); larger ones are computed in each
-# call, O(S·H) work beside attention's O(T·S·H), which keeps long-context programs small.
+# call, O(S·H) work beside attention's O(T·S·H), which keeps long-context programs small. Equal
+# positions share one constant (`_constant_angle_tables`), so a model's layers add one copy.
 MAX_CONSTANT_TABLE_BYTES = 4 << 20
+# Positions travel to the kernels as float32, exact below this magnitude.
+MAX_POSITION = 2**24
 
 
 def _angle_tables(angle_pos, k_angle_pos, *, head_dim: int, base: float, query_tables: bool):
@@ -351,6 +355,23 @@ def _angle_tables(angle_pos, k_angle_pos, *, head_dim: int, base: float, query_t
   freqs = encodings.pope_frequencies(head_dim, base)
   q_table = query_table(angle_pos, freqs) if query_tables else None
   return q_table, jax.lax.stop_gradient(key_table(k_angle_pos, freqs))
+
+
+@functools.lru_cache(maxsize=8)
+def _constant_angle_tables(angle_pos: tuple, k_angle_pos: tuple, **kw):
+  """`_angle_tables` at trace time, one array object per distinct positions (given as
+  `_array_key`s): JAX lowers a constant used by several calls of one program once, so the
+  layers of a model share their tables. Keeps the 8 most recent (at most 32 MiB of device
+  memory)."""
+  arrays = [np.frombuffer(data, np.float32).reshape(shape) for shape, data in
+            (angle_pos, k_angle_pos)]
+  with jax.ensure_compile_time_eval():
+    return _angle_tables(*arrays, **kw)
+
+
+def _array_key(x) -> tuple:
+  x = np.asarray(x, np.float32)
+  return x.shape, x.tobytes()
 
 
 def _table_bytes(angle_pos, k_angle_pos, head_dim: int, query_tables: bool) -> int:
@@ -392,18 +413,34 @@ def _prepare(q, k, v, delta, positions, *, base, is_causal, blocks):
 
 
 def _positions(q_positions, k_positions, *, batch, t_len, s_len, is_causal, blocks, head_dim,
-               base):
+               value_dim, dtype, base):
   """`_position_operands` and `_angle_tables`, evaluated at trace time (constants of the
   caller's computation) unless a position array is traced; the angle tables only up to
-  MAX_CONSTANT_TABLE_BYTES."""
+  MAX_CONSTANT_TABLE_BYTES, and the query table only where the forward reads it
+  (`use_query_tables`, differentiated or not).
+
+  Raises:
+    ValueError: concrete positions of magnitude MAX_POSITION or more.
+  """
   kw = dict(batch=batch, t_len=t_len, s_len=s_len, is_causal=is_causal, blocks=blocks)
   traced = any(isinstance(p, jax.core.Tracer) for p in (q_positions, k_positions))
+  if not traced:
+    for name, pos in (("q_positions", q_positions), ("k_positions", k_positions)):
+      largest = int(np.abs(np.asarray(pos, np.int64)).max(initial=0))
+      if largest >= MAX_POSITION:
+        raise ValueError(f"{name} must lie within ±{MAX_POSITION} (2**24) for the pallas "
+                         f"kernel (float32 positions); got |position| {largest}; use "
+                         f"implementation='xla'")
   with jax.ensure_compile_time_eval() if not traced else contextlib.nullcontext():
     angle_pos, k_angle_pos, qp, kp, visits = _position_operands(q_positions, k_positions, **kw)
-  table_kw = dict(head_dim=head_dim, base=base, query_tables=blocks.query_tables)
-  constant = not traced and _table_bytes(angle_pos, k_angle_pos, head_dim,
-                                         blocks.query_tables) <= MAX_CONSTANT_TABLE_BYTES
-  with jax.ensure_compile_time_eval() if constant else contextlib.nullcontext():
+  reads_table = any(use_query_tables(blocks, head_dim, value_dim, dtype, save_a)
+                    for save_a in (False, True))
+  table_kw = dict(head_dim=head_dim, base=base, query_tables=reads_table)
+  if not traced and _table_bytes(angle_pos, k_angle_pos, head_dim,
+                                 reads_table) <= MAX_CONSTANT_TABLE_BYTES:
+    q_table, k_trig = _constant_angle_tables(_array_key(angle_pos), _array_key(k_angle_pos),
+                                             **table_kw)
+  else:
     q_table, k_trig = _angle_tables(angle_pos, k_angle_pos, **table_kw)
   return angle_pos, q_table, k_trig, qp, kp, visits
 
@@ -424,7 +461,8 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
       queries S - T + arange(T) when T <= S, else arange(T). Concrete positions (the
       defaults, numpy arrays or int sequences, jax arrays closed over rather than computed
       inside the caller's jit) become trace-time constants (`_positions`; the angle tables,
-      8·S·H + 4·T·H bytes for [T] / [S] positions, up to MAX_CONSTANT_TABLE_BYTES); traced
+      8·S·H + 4·T_pad·H bytes per batch row of the positions, T_pad = T rounded up to the
+      tile, up to MAX_CONSTANT_TABLE_BYTES, equal positions sharing one copy); traced
       ones (jit arguments, or e.g. `jnp.arange(T)` inside jit) cost a few small XLA ops per
       call.
     scale: logit scale, default 1/sqrt(H).
@@ -436,8 +474,9 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
   Raises:
     NotImplementedError: dtype, head dim or value dim the kernel does not support, a backend
       other than GPU (outside the Mosaic GPU interpreter), or `jax_enable_x64` on.
-    ValueError: shapes that do not agree (also of the positions), or `block_sizes` whose
-      buffers do not fit in SMEM (forward at call time, dq and dk/dv when differentiated).
+    ValueError: shapes that do not agree (also of the positions), concrete positions of
+      magnitude MAX_POSITION (2**24) or more, or `block_sizes` whose buffers do not fit in SMEM
+      (forward at call time, dq and dk/dv when differentiated).
     TypeError: positions that are not integers.
   """
   _check(q, k, v, delta)
@@ -453,7 +492,8 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
                                        keep_numpy=True)
   attention.check_positions(q_positions, k_positions, q.shape[0], t_len, s_len)
   positions = _positions(q_positions, k_positions, batch=q.shape[0], t_len=t_len, s_len=s_len,
-                         is_causal=is_causal, blocks=blocks, head_dim=h, base=base)
+                         is_causal=is_causal, blocks=blocks, head_dim=h,
+                         value_dim=v.shape[-1], dtype=q.dtype, base=base)
   operands = _prepare(q, k, v, delta, positions, base=base, is_causal=is_causal, blocks=blocks)
   out = _flash(*operands, blocks, base, scale * _LOG2E)
   return out[:, :t_len, :, :v.shape[-1]]

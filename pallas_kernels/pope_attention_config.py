@@ -79,10 +79,11 @@ class BlockSizes:
       last layer; run 18 D): measure a model's share with `experiments.score_bounds` before
       turning this on. Not with `overlap`.
     query_tables: forward only: the query map reads the cos and sin of each row's angles
-      pos·θ from a float16 table [2, T, H] (computed once per call in XLA, shared by the
-      heads; `pope_attention.query_angles`) and rotates them by the head's phase -δ, instead of
-      computing cos and sin per element in the kernel: two transcendentals per element instead
-      of four, and no range reduction, on the SFUs the softmax's exp2 needs. Costs two
+      pos·θ from a float16 table [2, T, H] (`pope_attention.query_table`, shared by the heads;
+      a trace-time constant for concrete positions) and rotates them by the head's phase -δ,
+      instead of computing cos and sin per element in the kernel: two transcendentals per
+      element instead of four, and no range reduction, on the SFUs the softmax's exp2 needs.
+      Costs two
       [block_q, H] float16 SMEM tiles per compute warpgroup, used only where they fit beside
       the forward's stages (`pope_attention_fwd.use_query_tables`; not at H = 64 with V = 128);
       `default_block_sizes` turns it off at head dim 128, where they never do. On the H200

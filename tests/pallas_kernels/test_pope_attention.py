@@ -233,6 +233,26 @@ def test_large_angle_tables_are_computed_in_the_call(monkeypatch):
                                   np.asarray(want, np.float32))
 
 
+def test_layers_share_one_constant_table():
+  # Calls with equal concrete positions share their angle tables: one key-table constant in
+  # a program of three calls.
+  q, k, v, delta, _ = _problem((1, 2, 1, 32), 20, 40, seed=2)
+  def three_layers(q):
+    for _ in range(3):
+      q = attention.pope_attention(q, k, v, delta, is_causal=True, implementation="pallas")
+    return q
+  with plgpu.force_gpu_interpret_mode():
+    text = jax.jit(three_layers).lower(q).as_text()
+  assert len(re.findall(r"= stablehlo.constant dense<.*> : tensor<1x40x1x64xf32>", text)) == 1
+
+
+def test_concrete_positions_beyond_float32_range_raise():
+  q, k, v, delta, _ = _problem((1, 2, 1, 32), 20, 40, seed=2)
+  with plgpu.force_gpu_interpret_mode(), pytest.raises(ValueError, match="k_positions"):
+    kernel.pope_attention(q, k, v, delta, is_causal=True, q_positions=np.arange(20),
+                          k_positions=2**24 + np.arange(40))
+
+
 def test_x64_mode_raises_a_clear_error():
   q, k, v, delta, _ = _problem((1, 2, 1, 32), 20, 40, seed=2)
   with jax.enable_x64(True):
@@ -409,7 +429,7 @@ def test_persistent_launch_over_tiles(head_dim, persistent, is_causal):
   kw = dict(is_causal=is_causal, q_positions=q_pos)
   positions = kernel._positions(q_pos, jnp.arange(330), batch=1, t_len=300, s_len=330,
                                 is_causal=is_causal, blocks=blocks, head_dim=head_dim,
-                                base=10000.0)
+                                value_dim=head_dim, dtype=q.dtype, base=10000.0)
   tables = kernel._prepare(q, k, v, delta, positions, base=10000.0, is_causal=is_causal,
                            blocks=blocks)[-1]
   for _, schedule in tables:
