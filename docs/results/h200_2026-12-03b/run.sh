@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU calls of run 23 (docs/results/attention_kernel.md): bash run.sh CALL, from the
+# repository root on the H200, with tokamax's and grain's wheels in .whl_kernel/ and .whl_ii/.
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+  .whl_kernel/*.whl .whl_ii/*.whl >/dev/null 2>&1
+export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
+bench="python3 -m experiments.bench_attention"
+sha1sum pallas_kernels/*.py pope_jax/*.py experiments/bench_attention.py > "$OUT/tree_sha.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > "$OUT/gpu.txt"
+case "$1" in
+  A)
+    timeout 420 $bench --dtypes bfloat16,float16 --iters 10 --out "$OUT/main.json" \
+      > "$OUT/main.log" 2>&1
+    timeout 150 $bench --check --check-dtypes float16 --skip-bench --iters 2 \
+      --check-shapes check_h64,check_h128,check_h32_v96_gqa,check_h64_decode \
+      --out "$OUT/check_fp16.json" > "$OUT/check_fp16.log" 2>&1
+    ;;
+  B)
+    timeout 200 $bench --check --skip-bench --iters 2 --out "$OUT/check.json" > "$OUT/check.log" 2>&1
+    timeout 240 $bench --skip-bench --profile --iters 10 --out "$OUT/profile.json" \
+      > "$OUT/profile.log" 2>&1
+    timeout 120 $bench --skip-bench --train-step --train-batch 16 --iters 10 \
+      --out "$OUT/train.json" > "$OUT/train.log" 2>&1
+    ;;
+esac
+ls -la "$OUT"
