@@ -17,11 +17,10 @@ case "$1" in
       --out "$OUT/check_fp16.json" > "$OUT/check_fp16.log" 2>&1
     ;;
   B)
-    timeout 200 $bench --check --skip-bench --iters 2 --out "$OUT/check.json" > "$OUT/check.log" 2>&1
-    timeout 240 $bench --skip-bench --profile --iters 10 --out "$OUT/profile.json" \
+    timeout 170 $bench --check --skip-bench --iters 2 --out "$OUT/check.json" > "$OUT/check.log" 2>&1
+    timeout 230 $bench --iters 10 --out "$OUT/main.json" > "$OUT/main.log" 2>&1
+    timeout 170 $bench --skip-bench --profile --iters 10 --out "$OUT/profile.json" \
       > "$OUT/profile.log" 2>&1
-    timeout 120 $bench --skip-bench --train-step --train-batch 16 --iters 10 \
-      --out "$OUT/train.json" > "$OUT/train.log" 2>&1
     ;;
 esac
 ls -la "$OUT"
