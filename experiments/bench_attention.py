@@ -56,12 +56,14 @@ MIN_WINDOW_MS = 100.0  # each window runs at least this long, so its one sync is
 
 
 def _time_ms(fn, *args, iters: int, windows: int = TIMING_WINDOWS,
-             min_window_ms: float = MIN_WINDOW_MS) -> float:
+             min_window_ms: float | None = None) -> float:
   """Wall-clock ms per call: the median over `windows` windows of back-to-back calls each (the
   mean within a window), after two warm-up calls. A window has at least `iters` calls and enough
   to last `min_window_ms`: a window pays one dispatch latency and one host sync (~0.2–0.4 ms on
   the H200 host), which at 10 calls of 0.5 ms added 0.02–0.04 ms per call. Runs up to 21
-  (docs/results) used one window of `iters` calls; run 22, five such windows."""
+  (docs/results) used one window of `iters` calls; run 22, five such windows. `min_window_ms`
+  None: the module's MIN_WINDOW_MS (--min-window-ms)."""
+  min_window_ms = MIN_WINDOW_MS if min_window_ms is None else min_window_ms
   jax.block_until_ready(fn(*args))
   start = time.perf_counter()
   jax.block_until_ready(fn(*args))
@@ -432,10 +434,13 @@ def _head_and_loss_ms(cfg, batch: int, seq_len: int, iters: int,
 
 
 def main():
+  global MIN_WINDOW_MS
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--out", default="bench_attention.json", help="JSON results file")
   parser.add_argument("--iters", type=int, default=20, help="least timed calls per window (`_time_ms`)")
+  parser.add_argument("--min-window-ms", type=float, default=MIN_WINDOW_MS,
+                      help="least length of a timing window (`_time_ms`); 0: --iters calls")
   parser.add_argument("--check", action="store_true", help="kernel vs reference first")
   parser.add_argument("--check-tol", type=float, default=2e-2,
                       help="--check fails (exit 1) above this max |error| / max |reference|")
@@ -461,6 +466,7 @@ def main():
   parser.add_argument("--skip-bench", action="store_true",
                       help="skip the main tables (e.g. with --check or --variants)")
   args = parser.parse_args()
+  MIN_WINDOW_MS = args.min_window_ms
   supported = [d.name for d in kernel.SUPPORTED_DTYPES]
 
   def dtype_list(flag, value):
@@ -482,7 +488,8 @@ def main():
     print(f"tokamax not importable ({e}); its row is left out")
     with_tokamax = False
   results = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
-             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "iters": args.iters}
+             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "iters": args.iters,
+             "min_window_ms": args.min_window_ms}
   print(results, flush=True)
   if args.check:
     changes = [{}] + [json.loads(c) for c in args.check_blocks]

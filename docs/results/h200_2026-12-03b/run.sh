@@ -22,5 +22,15 @@ case "$1" in
     timeout 170 $bench --skip-bench --profile --iters 10 --out "$OUT/profile.json" \
       > "$OUT/profile.log" 2>&1
     ;;
+  C)
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+      --format=csv -lms 200 > "$OUT/clocks.csv" &
+    smi=$!
+    timeout 200 $bench --iters 10 --min-window-ms 0 --out "$OUT/main_w0.json" \
+      > "$OUT/main_w0.log" 2>&1
+    timeout 200 $bench --iters 10 --min-window-ms 100 --out "$OUT/main_w100.json" \
+      > "$OUT/main_w100.log" 2>&1
+    kill $smi
+    ;;
 esac
 ls -la "$OUT"
