@@ -238,14 +238,16 @@ def query_angles(freqs, phase, angle_pos, q_table, *, tables: bool):
     freqs: [H] float32 θ; phase: [N, H] float32 query phase -δ; angle_pos: [B or 1, T] float32
       query angle positions; q_table: their `query_table`, or None without
       `BlockSizes.query_tables`.
-    tables: `pope_attention_fwd.use_query_tables`: the angles from q_table (the kernel takes
-      the phase's cos and sin itself); else from θ and the positions, the kernel computing cos
-      and sin per element.
+    tables: `pope_attention_fwd.use_query_tables`: the angles as q_table, with the phase as its
+      cos and sin [N, H]; else θ, -δ and the positions, the kernel computing cos and sin per
+      element.
 
   Returns:
-    (rot, trig): rot = (θ, -δ), trig q_table or the positions.
+    (rot, trig): rot a pair of arrays, trig one array.
   """
-  return (freqs, phase), (q_table if tables else angle_pos)
+  if not tables:
+    return (freqs, phase), angle_pos
+  return (jnp.cos(phase), jnp.sin(phase)), q_table
 
 
 def _query_vjp_in_kernel(dtype) -> bool:

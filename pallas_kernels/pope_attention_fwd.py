@@ -45,12 +45,6 @@ ROW_SUM_COLS = 16
 TABLE_DTYPE = jnp.float16
 
 
-def _wrap_pi(ang):
-  """ang in [-3π, 3π] wrapped by 2π into [-π, π]."""
-  return jnp.where(ang > math.pi, ang - 2 * math.pi,
-                   jnp.where(ang < -math.pi, ang + 2 * math.pi, ang))
-
-
 def cartesian_halves(x, pos, freq, phase, magnitude_scale: float, dtype):
   """In-kernel PoPE Cartesian map of one tile (PoPE Eq. 7-10; `encodings.polar_to_cartesian`).
 
@@ -72,12 +66,15 @@ def cartesian_halves(x, pos, freq, phase, magnitude_scale: float, dtype):
   rows, h = x.shape
   ang = st.broadcast(pos, (rows, h), 0) * st.broadcast(freq, (rows, h), 1)
   turns = jnp.round(ang * (1 / (2 * math.pi)))
-  ang = _wrap_pi(ang - turns * _TWO_PI_HI - turns * _TWO_PI_LO + st.broadcast(phase, (rows, h), 1))
+  ang = ang - turns * _TWO_PI_HI - turns * _TWO_PI_LO + st.broadcast(phase, (rows, h), 1)
+  ang = jnp.where(ang > math.pi, ang - 2 * math.pi, jnp.where(ang < -math.pi, ang + 2 * math.pi,
+                                                              ang))
   mag = st.softplus(x) * magnitude_scale
   return (mag * jnp.cos(ang)).astype(dtype), (mag * jnp.sin(ang)).astype(dtype)
 
 
-def cartesian_halves_from_tables(x, cos_t, sin_t, phase, magnitude_scale: float, dtype):
+def cartesian_halves_from_tables(x, cos_t, sin_t, cos_p, sin_p, magnitude_scale: float,
+                                 dtype):
   """In-kernel PoPE Cartesian map of one tile from the cos and sin of its angles (PoPE Eq.
   7-10; `BlockSizes.query_tables`), by angle addition as `encodings._cos_sin`.
 
@@ -85,7 +82,7 @@ def cartesian_halves_from_tables(x, cos_t, sin_t, phase, magnitude_scale: float,
     x: [R, H] raw projections (any float dtype, WGMMA layout).
     cos_t, sin_t: [R, H] cos(pos·θ) and sin(pos·θ) of the tile's rows (any float dtype; the
       kernel's tables are float16, `TABLE_DTYPE`).
-    phase: [H] float32 phase added to pos·θ, |phase| <= 3π (the query phase -δ is in [0, 2π]).
+    cos_p, sin_p: [H] float32 cos and sin of the phase added to pos·θ.
     magnitude_scale: factor applied to softplus(x).
     dtype: result dtype.
 
@@ -93,15 +90,11 @@ def cartesian_halves_from_tables(x, cos_t, sin_t, phase, magnitude_scale: float,
     (μ cos φ, μ sin φ)·magnitude_scale, each [R, H] in `dtype`, φ = pos·θ + phase, μ =
     softplus(x) (`_streaming.softplus`): cos φ = cos_t cos_p - sin_t sin_p and sin φ = sin_t
     cos_p + cos_t sin_p. Two transcendentals per element (the softplus) instead of the four
-    of `cartesian_halves`, and no range reduction. cos_p and sin_p are taken once per row
-    vector, after wrapping the phase into [-π, π] (the GPU's approximations are accurate
-    there), not per element and not in an XLA kernel of their own (run 23).
+    of `cartesian_halves`, and no range reduction.
   """
   rows, h = x.shape
   cos_t, sin_t = cos_t.astype(jnp.float32), sin_t.astype(jnp.float32)
-  phase = _wrap_pi(phase)
-  cos_p = st.broadcast(jnp.cos(phase), (rows, h), 1)
-  sin_p = st.broadcast(jnp.sin(phase), (rows, h), 1)
+  cos_p, sin_p = st.broadcast(cos_p, (rows, h), 1), st.broadcast(sin_p, (rows, h), 1)
   mag = st.softplus(x) * magnitude_scale
   return ((mag * (cos_t * cos_p - sin_t * sin_p)).astype(dtype),
           (mag * (sin_t * cos_p + cos_t * sin_p)).astype(dtype))
@@ -195,10 +188,11 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
 
   Args:
     q: [B, T, N, H] bf16/fp16 raw queries (before softplus).
-    rot, trig: the query angles, `pope_attention.query_angles`: rot = (θ [H], -δ [N, H])
-      float32; where `use_query_tables`, trig [2, B or 1, T, H] float16 the cos and sin of the
-      positions' angles pos·θ (`cartesian_halves_from_tables`, θ unused), else the positions
-      [B or 1, T] float32 (`cartesian_halves`). Padding rows: any finite value.
+    rot, trig: the query angles, `pope_attention.query_angles`: where `use_query_tables`,
+      rot = (cos, sin) of the query phase -δ, each [N, H] float32, and trig [2, B or 1, T, H]
+      float16 the cos and sin of the positions' angles pos·θ; else rot = (θ [H], -δ [N, H])
+      float32 and trig the positions [B or 1, T] float32, mapped in the kernel
+      (`cartesian_halves`). Padding rows: any finite value.
     b: [B, S, K, D] Cartesian keys, same dtype, D = 2H.
     v: [B, S, K, V] values, same dtype.
     q_pos: [B, T] float32 query positions (padding rows: st.QUERY_PAD).
@@ -318,15 +312,14 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
           plgpu.barrier_wait(q_bar.at[wg])
         with jax.named_scope("query_map"):
           x = plgpu.load(q_smem.at[wg], layout=plgpu.Layout.WGMMA)
-          phase = st.row_vector(rot_smem.at[wg, 1], 1)
+          rot_rows = [st.row_vector(rot_smem.at[wg, i], 1) for i in range(2)]
           if tables:
             cos_t, sin_t = (plgpu.load(buf.at[wg], layout=plgpu.Layout.WGMMA)
                             for buf in trig_smem)
-            halves = cartesian_halves_from_tables(x, cos_t, sin_t, phase, magnitude_scale,
+            halves = cartesian_halves_from_tables(x, cos_t, sin_t, *rot_rows, magnitude_scale,
                                                   dtype)
           else:
-            halves = cartesian_halves(x, st.row_vector(trig_smem[0].at[wg], 0),
-                                      st.row_vector(rot_smem.at[wg, 0], 1), phase,
+            halves = cartesian_halves(x, st.row_vector(trig_smem[0].at[wg], 0), *rot_rows,
                                       magnitude_scale, dtype)
           a = plgpu.layout_cast(jnp.concatenate(halves, axis=1), plgpu.Layout.WGMMA)
         plgpu.barrier_wait(qpos_bar.at[wg])

@@ -151,10 +151,11 @@ def test_cartesian_halves_from_tables_match_reference_map(head_dim):
   phase = jax.random.uniform(ks[2], (head_dim,), jnp.float32, -2 * math.pi, 0.0)
   pos_theta = pos[:, None] * freq                                      # float32
   tables = (jnp.cos(pos_theta).astype(TABLE_DTYPE), jnp.sin(pos_theta).astype(TABLE_DTYPE))
-  got = cartesian_halves_from_tables(x, *tables, -phase, 0.5, jnp.float32)
+  got = cartesian_halves_from_tables(x, *tables, jnp.cos(phase), jnp.sin(phase), 0.5,
+                                     jnp.float32)
   got = np.asarray(jnp.concatenate(got, axis=1), np.float64)
   mag = 0.5 * np.logaddexp(0.0, np.asarray(x, np.float64))
-  ang = np.asarray(pos_theta, np.float64) - np.asarray(phase, np.float64)
+  ang = np.asarray(pos_theta, np.float64) + np.asarray(phase, np.float64)
   want = np.concatenate([mag * np.cos(ang), mag * np.sin(ang)], axis=1)
   tol = np.tile(mag * (2.0**-12 * math.sqrt(2) + 2.0**-20), 2) + 2.0**-23
   assert np.all(np.abs(got - want) <= tol), np.max(np.abs(got - want) / tol)
@@ -204,12 +205,13 @@ def test_concrete_positions_are_trace_time_constants(positions):
   fn = lambda q: attention.pope_attention(q, k, v, delta, is_causal=True,
                                           implementation="pallas", **positions)
   traced = lambda q, p: kernel.pope_attention(q, k, v, delta, is_causal=True, q_positions=p)
-  # Nor any trigonometry: not the query and key tables' (`query_table` [1, T_pad = 128, H],
-  # `key_table` [1, S, 1, H]), and the forward kernel takes the phase's cos and sin itself.
+  # Nor the trigonometry of the query and key tables (`query_table` [1, T_pad = 128, H],
+  # `key_table` [1, S, 1, H]): only the phase's, [N, H].
   table_cos = re.compile(r"stablehlo.cosine %[\w#]+ : tensor<1x(128x32|40x1x32)xf32>")
   with plgpu.force_gpu_interpret_mode():
     text = jax.jit(fn).lower(q).as_text()
-    assert "stablehlo.reduce" not in text and "stablehlo.cosine" not in text
+    assert "stablehlo.reduce" not in text and not table_cos.search(text)
+    assert re.search(r"stablehlo.cosine %[\w#]+ : tensor<2x32xf32>", text)
     text = jax.jit(traced).lower(q, jnp.arange(20, 40)).as_text()
     assert "stablehlo.reduce" in text and table_cos.search(text)
 

@@ -32,5 +32,9 @@ case "$1" in
       > "$OUT/main_w100.log" 2>&1
     kill $smi
     ;;
+  D)
+    timeout 150 python3 docs/results/h200_2026-12-03b/launch_overhead.py > "$OUT/launch.log" 2>&1
+    timeout 200 $bench --iters 10 --out "$OUT/main.json" > "$OUT/main.log" 2>&1
+    ;;
 esac
 ls -la "$OUT"
