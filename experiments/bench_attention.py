@@ -59,10 +59,10 @@ def _time_ms(fn, *args, iters: int, windows: int = TIMING_WINDOWS,
              min_window_ms: float | None = None) -> float:
   """Wall-clock ms per call: the median over `windows` windows of back-to-back calls each (the
   mean within a window), after two warm-up calls. A window has at least `iters` calls and enough
-  to last `min_window_ms`: a window pays one dispatch latency and one host sync (~0.2–0.4 ms on
-  the H200 host), which at 10 calls of 0.5 ms added 0.02–0.04 ms per call. Runs up to 21
-  (docs/results) used one window of `iters` calls; run 22, five such windows. `min_window_ms`
-  None: the module's MIN_WINDOW_MS (--min-window-ms)."""
+  to last `min_window_ms`: a window pays one dispatch latency and one host sync, which longer
+  windows amortise (docs/results run 23: our H64 forward 0.500 ms per call in windows of 10
+  calls, 0.467 in windows of 100 ms). Runs up to 22 used one window of `iters` calls.
+  `min_window_ms` None: the module's MIN_WINDOW_MS (--min-window-ms)."""
   min_window_ms = MIN_WINDOW_MS if min_window_ms is None else min_window_ms
   jax.block_until_ready(fn(*args))
   start = time.perf_counter()

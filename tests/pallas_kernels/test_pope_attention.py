@@ -294,6 +294,23 @@ def test_float16_inputs():
   _assert_close(got, want)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_phase_bias_outside_its_range_is_clamped(dtype):
+  # δ below -2π, above 0 and at both bounds: the kernel path gives the reference's output and
+  # gradient (the clamp's: zero outside, one at the bounds; `encodings.clamp_phase_bias`).
+  q, k, v, _, cot = _problem((1, 2, 1, 64), 70, 90, seed=7)
+  q, k, v = (x.astype(dtype) for x in (q, k, v))
+  delta = jnp.linspace(-3 * math.pi, math.pi, 2 * 64, dtype=jnp.float32).reshape(2, 64)
+  delta = delta.at[0, :2].set(-2 * math.pi).at[1, :2].set(0.0)
+  with plgpu.force_gpu_interpret_mode():
+    got = _value_and_grads("pallas", q, k, v, delta, cot, is_causal=True)
+  want = _value_and_grads("xla", q, k, v, delta, cot, is_causal=True)
+  _assert_close(got, want)
+  outside = np.asarray((delta < -2 * math.pi) | (delta > 0))
+  assert outside.sum() > 50 and np.all(np.asarray(got[4])[outside] == 0)
+  assert np.all(np.asarray(got[4])[~outside] != 0)
+
+
 def test_small_magnitudes():
   # Raw q and k near -10: softplus ~ 5e-5, below the epilogues' series threshold (μ < 1/64)
   # for every element, so dq and dk come from g(μ)'s Taylor branch.

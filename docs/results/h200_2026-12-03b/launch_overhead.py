@@ -3,8 +3,11 @@ tokamax baseline, RoPE on cuDNN), with XLA's default command-buffer threshold an
 `xla_gpu_graph_min_graph_size` = 1 (every run of kernels one CUDA graph): the host's time to
 enqueue a call (dispatch) and the wall clock per call, the median of five windows of 200 calls.
 
-  PYTHONPATH=. python3 docs/results/h200_2026-12-03b/launch_overhead.py
+  PYTHONPATH=. python3 docs/results/h200_2026-12-03b/launch_overhead.py [PATH ...]
+
+PATH: "ours", "tokamax", "rope" (default all three).
 """
+import sys
 import time
 
 import jax
@@ -13,8 +16,7 @@ import numpy as np
 from experiments import bench_attention as bench
 from pallas_kernels.shapes import SHAPES
 
-PATHS = {"fused PoPE (ours)": bench._pope_pallas, "expand + tokamax mosaic": bench._pope_tokamax,
-         "RoPE cuDNN": bench._rope_cudnn}
+PATHS = {"ours": bench._pope_pallas, "tokamax": bench._pope_tokamax, "rope": bench._rope_cudnn}
 OPTIONS = {"default": None, "graph_min_size_1": {"xla_gpu_graph_min_graph_size": 1}}
 
 
@@ -36,14 +38,15 @@ def per_call_ms(fn, args, calls=200, windows=5):
 
 def main():
   args = bench._inputs(SHAPES["bench_h64"])
-  print(f"{'path':26s} {'options':18s} {'dispatch ms':>12s} {'wall ms':>9s}")
-  for name, fn in PATHS.items():
+  print(f"{'path':8s} {'options':18s} {'dispatch ms':>12s} {'wall ms':>9s}")
+  for name in sys.argv[1:] or PATHS:
+    fn = PATHS[name]
     for label, options in OPTIONS.items():
       try:
         d, t = per_call_ms(jax.jit(fn, compiler_options=options), args)
-        print(f"{name:26s} {label:18s} {d:12.4f} {t:9.4f}", flush=True)
+        print(f"{name:8s} {label:18s} {d:12.4f} {t:9.4f}", flush=True)
       except Exception as e:  # reported, not hidden
-        print(f"{name:26s} {label:18s} error {type(e).__name__}: {str(e)[:200]}", flush=True)
+        print(f"{name:8s} {label:18s} error {type(e).__name__}: {str(e)[:200]}", flush=True)
 
 
 if __name__ == "__main__":

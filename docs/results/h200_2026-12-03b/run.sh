@@ -32,9 +32,19 @@ case "$1" in
       > "$OUT/main_w100.log" 2>&1
     kill $smi
     ;;
-  D)
-    timeout 150 python3 docs/results/h200_2026-12-03b/launch_overhead.py > "$OUT/launch.log" 2>&1
-    timeout 200 $bench --iters 10 --out "$OUT/main.json" > "$OUT/main.log" 2>&1
+  D)  # not run (no device time left): the three-kernel forward (this tree), then with
+      # two_kernel_forward.diff applied (δ clamped in the kernel), then this tree again
+    lo="python3 docs/results/h200_2026-12-03b/launch_overhead.py"
+    diff=docs/results/h200_2026-12-03b/two_kernel_forward.diff
+    timeout 120 $lo > "$OUT/launch_three.log" 2>&1
+    git apply "$diff" || patch -p1 < "$diff"
+    timeout 60 python3 docs/results/h200_2026-12-03/hlo_fwd.py > "$OUT/hlo_fwd_h64_two.txt" 2>&1
+    timeout 60 $lo ours > "$OUT/launch_two.log" 2>&1
+    timeout 80 $bench --check --skip-bench --iters 2 --check-shapes check_h64,check_h128,check_h32_gqa \
+      --out "$OUT/check_two.json" > "$OUT/check_two.log" 2>&1
+    timeout 150 $bench --iters 10 --out "$OUT/main_two.json" > "$OUT/main_two.log" 2>&1
+    git apply -R "$diff" || patch -R -p1 < "$diff"
+    timeout 60 $lo ours > "$OUT/launch_three2.log" 2>&1
     ;;
 esac
 ls -la "$OUT"
