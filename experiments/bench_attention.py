@@ -438,7 +438,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--out", default="bench_attention.json", help="JSON results file")
-  parser.add_argument("--iters", type=int, default=20, help="least timed calls per window (`_time_ms`)")
+  parser.add_argument("--iters", type=int, default=20,
+                      help="least timed calls per window (`_time_ms`)")
   parser.add_argument("--min-window-ms", type=float, default=MIN_WINDOW_MS,
                       help="least length of a timing window (`_time_ms`); 0: --iters calls")
   parser.add_argument("--check", action="store_true", help="kernel vs reference first")
