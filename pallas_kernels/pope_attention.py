@@ -318,11 +318,11 @@ def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_le
   """What the kernels take from the positions alone, but for the angle tables
   (`_angle_tables`): the float32 query angle positions, [1, T_pad] for [T] positions, else
   [B, T_pad]; the float32 key positions in their [S] / [B, S] shape, unpadded (for
-  `key_table`: `_forward` maps and pads the keys); the masking positions with padding sentinels, [B, T_pad] and [B, S_pad];
-  and per kernel (`_resident_blocks`) the visit table, which streamed steps each resident tile
-  sees (`st.visit_table`, exact for any positions). `pope_attention` evaluates this at trace
-  time when the positions are concrete (the defaults, or arrays that are not traced), so a call
-  then runs no kernels for it."""
+  `key_table`: `_forward` maps and pads the keys); the masking positions with padding
+  sentinels, [B, T_pad] and [B, S_pad]; and per kernel (`_resident_blocks`) the visit table,
+  which streamed steps each resident tile sees (`st.visit_table`, exact for any positions).
+  `pope_attention` evaluates this at trace time when the positions are concrete (the defaults,
+  or arrays that are not traced), so a call then runs no kernels for it."""
   q_pos = jnp.broadcast_to(jnp.asarray(q_positions), (batch, t_len)).astype(jnp.float32)
   k_pos = jnp.broadcast_to(jnp.asarray(k_positions), (batch, s_len))
   mult = blocks.seq_multiple
@@ -374,9 +374,10 @@ def _array_key(x) -> tuple:
   return x.shape, x.tobytes()
 
 
-def _table_bytes(angle_pos, k_angle_pos, head_dim: int, query_tables: bool) -> int:
-  q_bytes = 2 * angle_pos.size * head_dim * jnp.dtype(TABLE_DTYPE).itemsize
-  return 8 * k_angle_pos.size * head_dim + (q_bytes if query_tables else 0)
+def _table_bytes(angle_pos, k_angle_pos, **kw) -> int:
+  """The bytes of `_angle_tables`' results, from their shapes alone."""
+  tables = jax.eval_shape(functools.partial(_angle_tables, **kw), angle_pos, k_angle_pos)
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tables))
 
 
 @functools.partial(jax.jit, static_argnames=("base", "is_causal", "blocks"))
@@ -436,8 +437,7 @@ def _positions(q_positions, k_positions, *, batch, t_len, s_len, is_causal, bloc
   reads_table = any(use_query_tables(blocks, head_dim, value_dim, dtype, save_a)
                     for save_a in (False, True))
   table_kw = dict(head_dim=head_dim, base=base, query_tables=reads_table)
-  if not traced and _table_bytes(angle_pos, k_angle_pos, head_dim,
-                                 reads_table) <= MAX_CONSTANT_TABLE_BYTES:
+  if not traced and _table_bytes(angle_pos, k_angle_pos, **table_kw) <= MAX_CONSTANT_TABLE_BYTES:
     q_table, k_trig = _constant_angle_tables(_array_key(angle_pos), _array_key(k_angle_pos),
                                              **table_kw)
   else:

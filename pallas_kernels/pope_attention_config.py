@@ -83,12 +83,11 @@ class BlockSizes:
       a trace-time constant for concrete positions) and rotates them by the head's phase -δ,
       instead of computing cos and sin per element in the kernel: two transcendentals per
       element instead of four, and no range reduction, on the SFUs the softmax's exp2 needs.
-      Costs two
-      [block_q, H] float16 SMEM tiles per compute warpgroup, used only where they fit beside
-      the forward's stages (`pope_attention_fwd.use_query_tables`; not at H = 64 with V = 128);
-      `default_block_sizes` turns it off at head dim 128, where they never do. On the H200
-      (docs/results, run 21) the H = 64 forward 3.6 % faster on average over four pairs (each
-      pair's faster row), kernel device time 0.411 -> 0.398 ms.
+      Costs two [block_q, H] float16 SMEM tiles per compute warpgroup, used only where they
+      fit beside the forward's stages (`pope_attention_fwd.use_query_tables`; not at H = 64
+      with V = 128); `default_block_sizes` turns it off at head dim 128, where they never do.
+      On the H200 (docs/results, run 21) the H = 64 forward 3.6 % faster on average over four
+      pairs (each pair's faster row), kernel device time 0.411 -> 0.398 ms.
     persistent: launch at most one CTA per SM, each looping over its share of the resident
       tiles, instead of one CTA per tile. The memory warpgroup streams the next tile's first
       keys (or queries) while the compute warpgroups finish a tile, and the forward loads the
