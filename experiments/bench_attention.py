@@ -278,9 +278,8 @@ def check_failures(rows: list[dict], tol: float) -> list[str]:
 # key "traced_positions" is `_pope_pallas`' argument, not a block size). At query scale 8
 # PoPE's magnitude bound fails on every tile (`bounded_softmax`'s miss case); "tiles" scales
 # every other 128-row tile by `_tile_scale`'s factor (half the items bounded).
-_TABLES_AB = [{}, {"query_tables": False}]
 VARIANTS = [
-    ("bench_h64", 1.0, _TABLES_AB * 4),
+    ("bench_h64", 1.0, [{}, {"row_sum_mma": True}, {"overlap": True, "stages_fwd": 3}] * 3),
 ]
 
 
