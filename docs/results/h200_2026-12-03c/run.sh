@@ -46,5 +46,14 @@ case "$1" in
     timeout 330 $bench --skip-bench --variants --iters 10 --out "$OUT/variants.json" \
       > "$OUT/variants.log" 2>&1
     ;;
+  E)  # with softplus_polynomial.diff (log1p as a polynomial in _streaming.softplus): the key
+      # map's pass, old and new softplus in turn; the main tables; the GPU check
+    git apply docs/results/h200_2026-12-03c/softplus_polynomial.diff
+    timeout 60 python3 docs/results/h200_2026-12-03c/key_map_softplus.py > "$OUT/key_map.log" 2>&1
+    timeout 170 $bench --iters 10 --out "$OUT/main.json" > "$OUT/main.log" 2>&1
+    timeout 90 $bench --check --skip-bench --iters 2 --check-shapes check_h64,check_h128,check_h32_gqa \
+      --out "$OUT/check.json" > "$OUT/check.log" 2>&1
+    git apply -R docs/results/h200_2026-12-03c/softplus_polynomial.diff
+    ;;
 esac
 ls -la "$OUT"
