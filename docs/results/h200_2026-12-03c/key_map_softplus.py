@@ -1,16 +1,21 @@
 """Run 24 E: the key map's XLA pass (`pope_attention.key_map`) with the softplus of 43b819a
-(max(x, 0) + log(1 + exp(-|x|))) against this tree's (`_streaming.softplus`, log1p as a
-polynomial), at the benchmark's key shapes; wall clock per call, the median of five windows
-of at least 100 ms, the two in turn three times.
+(max(x, 0) + log(1 + exp(-|x|))) against the tree's `_streaming.softplus` (with
+softplus_polynomial.diff applied: log1p as a polynomial), at the benchmark's key shapes; wall
+clock per call, the median of five windows of at least 100 ms, the two in turn three times.
+With --device-time (added after E ran), the device time per call instead
+(`experiments.profile_ops`, 20 profiled calls): a 0.03 ms kernel's wall clock includes the
+host's share of each call.
 
-  PYTHONPATH=. python3 docs/results/h200_2026-12-03c/key_map_softplus.py
+  PYTHONPATH=. python3 docs/results/h200_2026-12-03c/key_map_softplus.py [--device-time]
 """
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import profile_ops
 from pallas_kernels import _streaming as st
 from pallas_kernels import pope_attention as kernel
 
@@ -57,7 +62,11 @@ def main():
     print(f"H={h} max |difference| {np.abs(ref - new).max():.3e} (max |b| {np.abs(ref).max():.3f})")
     for r in range(3):
       for name, fn in fns.items():
-        print(f"H={h} round {r} {name:14s} {per_call_ms(fn, (k, trig)):.4f} ms", flush=True)
+        if "--device-time" in sys.argv:
+          ms = sum(row["ms"] for row in profile_ops.op_times(fn, k, trig, iters=20))
+          print(f"H={h} round {r} {name:14s} {ms:.4f} ms of device time", flush=True)
+        else:
+          print(f"H={h} round {r} {name:14s} {per_call_ms(fn, (k, trig)):.4f} ms", flush=True)
 
 
 if __name__ == "__main__":
