@@ -48,6 +48,8 @@ case "$1" in
     ;;
   E)  # with softplus_polynomial.diff (log1p as a polynomial in _streaming.softplus): the key
       # map's pass, old and new softplus in turn; the main tables; the GPU check
+      # (E's tree_sha.txt in E_softplus_polynomial/ was written after the patch was applied, by an
+      # earlier form of this script: its sums are of the patched files)
     git apply docs/results/h200_2026-12-03c/softplus_polynomial.diff
     timeout 60 python3 docs/results/h200_2026-12-03c/key_map_softplus.py > "$OUT/key_map.log" 2>&1
     timeout 170 $bench --iters 10 --out "$OUT/main.json" > "$OUT/main.log" 2>&1
