@@ -525,14 +525,30 @@ def tile_transforms(width: int = 64):
   return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
 
-def softplus(x):
-  """μ = softplus(x) as max(x, 0) + log(1 + exp(-|x|)), float32: the fused kernels' magnitude
-  map (PoPE Eq. 3), in the forward kernel's query map and in the key map's XLA pass.
+# log1p(e) = e·P(e) on e in [0, 1], P of degree 6 with P(0) = 1 (`softplus`): fitted to the
+# relative error; evaluated in float32 by Horner's rule, within 1.6e-6 of log1p relatively
+# (1.1e-6 absolutely) over the whole interval.
+_LOG1P_COEFFS = (1.0, -0.49990746, 0.33140427, -0.23611341, 0.15102765, -0.06785116,
+                 0.014588303)
+# `softplus`'s relative error bound against the exact softplus, every float32 x.
+SOFTPLUS_RTOL = 2e-6
 
-  Cheaper than `jax.nn.softplus` (log, not log1p: the key map's pass 0.037 -> 0.032 ms at
-  [4, 4096, 16, 64] on the H200, docs/results run 21); within 6e-8 of it in absolute terms,
-  so it loses relative precision only where μ < 5e-5 (x below about -10), which no score
-  can resolve in bf16/fp16.
+
+def softplus(x):
+  """μ = softplus(x) as max(x, 0) + log1p(exp(-|x|)), float32, with log1p(e) a polynomial in
+  e (`_LOG1P_COEFFS`): the fused kernels' magnitude map (PoPE Eq. 3), in the forward kernel's
+  query map and in the key map's XLA pass.
+
+  Cheaper than XLA's log: six FMAs where the log runs a longer libdevice sequence. The key
+  map's pass at [4, 4096, 16, H] bf16 on the H200 took 0.0279 ms of device time at H = 64
+  (0.0565 at H = 128) against 0.0327 (0.0641) with log(1 + e), and 0.0261 (0.0554) without any
+  softplus: its memory floor (docs/results run 25 A). Within 1.6e-6 of softplus relatively for
+  every x (`SOFTPLUS_RTOL`; P(0) = 1, so tiny μ keep their relative precision, which log(1 + e)
+  loses below x of about -17), far below bf16/fp16 rounding.
   """
   x = x.astype(jnp.float32)
-  return jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))
+  e = jnp.exp(-jnp.abs(x))
+  poly = _LOG1P_COEFFS[-1]
+  for c in reversed(_LOG1P_COEFFS[:-1]):
+    poly = poly * e + c
+  return jnp.maximum(x, 0.0) + poly * e
