@@ -11,7 +11,7 @@ Forms, at the benchmark's key shapes [4, 4096, 16, H] bf16, each one jitted func
 
 Device time per call from `experiments.profile_ops` (20 profiled calls), three rounds in turn.
 
-  PYTHONPATH=. python3 docs/results/h200_2026-12-04/key_map_variants.py
+  PYTHONPATH=. python3 docs/results/h200_2026-12-03d/key_map_variants.py
 """
 import jax
 import jax.numpy as jnp
