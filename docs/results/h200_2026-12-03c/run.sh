@@ -57,7 +57,8 @@ case "$1" in
       --out "$OUT/check.json" > "$OUT/check.log" 2>&1
     git apply -R docs/results/h200_2026-12-03c/softplus_polynomial.diff
     ;;
-  F)  # not run (no device time left): E's key-map comparison by device time
+  F)  # not run (no device time left): E's key-map comparison by device time; run 25 A
+      # (h200_2026-12-03d/key_map_variants.py) measured it instead
     git apply docs/results/h200_2026-12-03c/softplus_polynomial.diff
     timeout 120 python3 docs/results/h200_2026-12-03c/key_map_softplus.py --device-time \
       > "$OUT/key_map_device.log" 2>&1
