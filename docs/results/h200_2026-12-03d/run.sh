@@ -28,5 +28,9 @@ case "$1" in
       --check-shapes check_h64,check_h128,check_h32_v96_gqa,check_h64_decode \
       --out "$OUT/check_fp16.json" > "$OUT/check_fp16.log" 2>&1
     ;;
+  D)  # the GPT-2-124M train step with the polynomial softplus
+    timeout 220 $bench --skip-bench --train-step --train-batch 16 --iters 10 \
+      --out "$OUT/train.json" > "$OUT/train.log" 2>&1
+    ;;
 esac
 ls -la "$OUT"
