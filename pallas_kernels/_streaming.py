@@ -29,7 +29,10 @@ from jax import lax
 from jax._src import state
 from jax._src.pallas.mosaic_gpu import core as pallas_mgpu_core
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, nvvm, vector
 
 COMPUTE_WGS = 2
 # Positions travel as float32 (exact below 2**24); padding rows get these sentinels.
@@ -507,6 +510,33 @@ def compute_loops_overlapped(ranges, carry, skip, first, step, last):
     carry = lax.fori_loop(start, stop, lambda s, c, mode=mode: step(s, c, mode), carry)
   carry = lax.fori_loop(jnp.maximum(hi - 1, lo), hi, last, carry)
   return lax.fori_loop(hi, u_hi, skip, carry)
+
+
+def warp_any(flags: jax.Array) -> jax.Array:
+  """Whether any row of `flags` ([rows] bool, WGMMA row layout) held by this thread's warp is
+  set: a scalar bool, uniform within each warp (the lanes' vote, `vote.sync.any`), that may
+  differ between the warps of a warpgroup, for a `lax.cond` whose branches hold no
+  warpgroup-wide operation (wgmma, barriers). The CPU interpreter runs a warpgroup as one
+  program and takes the OR over all rows, which callers must accept as well (a branch taken
+  where the warp's vote alone would have skipped it)."""
+  if interpreted():
+    return jnp.any(flags)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(1),),
+                     return_type=plgpu.ShapeDtypeStruct((), jnp.bool_, plgpu.Layout.WG_SPLAT))
+  def vote(_, flags):
+    i1 = ir.IntegerType.get_signless(1)
+    lane = None
+    for reg in flags.registers.flat:
+      for i in range(ir.VectorType(reg.type).shape[0]):
+        bit = vector.extract(reg, [], [i])
+        lane = bit if lane is None else arith.ori(lane, bit)
+    assert lane.type == i1, lane.type
+    full_mask = arith.constant(ir.IntegerType.get_signless(32), 0xFFFFFFFF)
+    return mgpu.FragmentedArray.splat(nvvm.vote_sync(full_mask, lane, "any"), (),
+                                      is_signed=False)
+
+  return vote(flags)
 
 
 def row_vector(smem_ref, rows_axis: int):

@@ -358,10 +358,13 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
 
         @jax.named_scope("softmax")
         def softmax(s_blk, m_i, l_i, slot, mode, cast=True, bounded=False):
-          """Online softmax of one score tile: (m, l, P, alpha), alpha = the factor of the old
-          acc (None: 1); P in q's dtype if `cast`, else float32. With `bounded` (every score
-          within ±BOUNDED_SCORE_LIMIT) m stays 0: P = exp2(scores), no max and no rescale.
-          Under `row_sum_mma` the returned l lacks this step's P, which `pv` adds."""
+          """Online softmax of one score tile: (m, l, P, alpha), alpha the per-row factor of
+          the old acc (`rescale`; 1 where the max stays, None: no rescale); P in q's dtype if
+          `cast`, else float32. A row's max m moves only when its block max exceeds it by
+          more than `blocks.rescale_threshold`, so P < 2**rescale_threshold.
+          With `bounded` (every score within ±BOUNDED_SCORE_LIMIT) m stays 0: P =
+          exp2(scores), no max and no rescale. Under `row_sum_mma` the returned l lacks this
+          step's P, which `pv` adds, and its rescale, which `rescale` applies."""
           if mode == "masked":
             kpos = st.row_vector(kpos_smem.at[slot], 1)
             visible = st.broadcast(kpos, (bq, bk), 1) <= st.broadcast(qpos, (bq, bk), 0)
@@ -371,13 +374,13 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
             if ones_smem is None:
               l_i = l_i + p.sum(axis=1)
             return m_i, l_i, p.astype(dtype) if cast else p, None
-          m_new = jnp.maximum(m_i, s_blk.max(axis=1))
-          alpha = jnp.exp2(m_i - m_new)
+          m_blk = s_blk.max(axis=1)
+          moved = m_blk > m_i + blocks.rescale_threshold
+          m_new = jnp.where(moved, m_blk, m_i)
+          alpha = jnp.exp2(m_i - m_new)  # 1 where the max stays
           p = jnp.exp2(s_blk - st.broadcast(m_new, (bq, bk), 0))
-          if ones_smem is None:
+          if ones_smem is None:  # (else [bq, ROW_SUM_COLS], rescaled with acc; P @ 1 in `pv`)
             l_i = l_i * alpha + p.sum(axis=1)
-          else:  # [bq, ROW_SUM_COLS]; P @ 1 is added with PV (`pv`)
-            l_i = rescale(l_i, alpha)
           if cast:
             p = p.astype(dtype)
           return m_new, l_i, p, alpha
@@ -393,8 +396,14 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
           handshake()
           return values
 
-        def rescale(acc, alpha):
-          return acc * st.broadcast(alpha, acc.shape, 0)
+        def rescale(acc, l_i, alpha):
+          """acc, and under `row_sum_mma` l, times `softmax`'s per-row alpha, in the warps
+          where some row's max moved (alpha < 1; in the others every alpha is 1)."""
+          scaled = (acc,) if ones_smem is None else (acc, l_i)
+          scaled = lax.cond(st.warp_any(alpha < 1.0),
+                            lambda: tuple(x * st.broadcast(alpha, x.shape, 0) for x in scaled),
+                            lambda: scaled)
+          return scaled if ones_smem is not None else (scaled[0], l_i)
 
         def pv(acc, l_i, p, slot):
           """acc + P V and, under `row_sum_mma`, l + P 1, issued together."""
@@ -421,7 +430,7 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
             s_blk = st.matmul(*scores(slot), then=handshake if pp else None)
           m_i, l_i, p, alpha = softmax(s_blk, m_i, l_i, slot, mode, bounded=bounded)
           if alpha is not None:
-            acc = rescale(acc, alpha)
+            acc, l_i = rescale(acc, l_i, alpha)
           acc, m_i, l_i, p = hand_over(acc, m_i, l_i, p, pp=pp)
           with jax.named_scope("pv"):
             acc, l_i = pv(acc, l_i, p, slot)
@@ -450,7 +459,8 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
                 lambda s_blk: hand_over(*softmax(s_blk, m_i, l_i, slot, mode, cast=False)),
                 then=handshake)
           plgpu.barrier_arrive(consumed.at[prev])
-          return rescale(acc, alpha), m_i, l_i, p.astype(dtype)
+          acc, l_i = rescale(acc, l_i, alpha)
+          return acc, m_i, l_i, p.astype(dtype)
 
         def last(s, carry):
           acc, m_i, l_i, p = carry

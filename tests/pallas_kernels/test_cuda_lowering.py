@@ -61,11 +61,14 @@ def _lowered_text(h, vd, n, kh, change, dtype=jnp.bfloat16, is_causal=True):
     (128, 128, 2, 1, {"bounded_softmax": True, "row_sum_mma": False}),
     (64, 64, 2, 2, {"query_tables": False}),
     (64, 128, 2, 2, {}),
+    (64, 64, 2, 2, {"rescale_threshold": 0.0}),
 ])
 def test_gpu_paths_lower_for_cuda(gpu_paths, h, vd, n, kh, change):
   text = _lowered_text(h, vd, n, kh, change)
   for name in KERNELS:
     assert name in text, name
+  # The forward's conditional rescale: one lane vote per online-softmax step.
+  assert "nvvm.vote.sync" in text
   # Only the overlapped schedules await a wgmma group with one left in flight.
   blocks = dataclasses.replace(default_block_sizes(h), **change)
   assert ("wgmma.wait_group.sync.aligned 1" in text) == (blocks.overlap or blocks.overlap_bwd)

@@ -515,6 +515,51 @@ def test_forward_schedules(blocks, is_causal):
   assert np.abs(got - want).max() < TOL * np.abs(want).max() + ATOL
 
 
+def _block_max_jumps(q, k, delta, block_kv, is_causal):
+  """Per query row (heads of the one kv head): how far (log2 units) the running max of its
+  scores grows at each key block after the first visible one, from the float32 reference map."""
+  h = q.shape[-1]
+  t_pos, s_pos = attention.default_positions(q.shape[1], k.shape[1])
+  a = encodings.pope_cartesian(q.astype(jnp.float32), t_pos,
+                               phase=-encodings.clamp_phase_bias(delta))
+  b = encodings.pope_cartesian(k.astype(jnp.float32), s_pos)
+  s = np.asarray(jnp.einsum("btnd,bsd->bnts", a, b[:, :, 0]) / (math.sqrt(h) * math.log(2)))
+  if is_causal:
+    s = np.where(s_pos[None, None, None, :] <= t_pos[None, None, :, None], s, -np.inf)
+  running = np.maximum.accumulate(
+      s.reshape(*s.shape[:3], -1, block_kv).max(-1), axis=-1)         # [B, N, T, steps]
+  jumps = np.diff(running, axis=-1)
+  return jumps[np.isfinite(jumps)]
+
+
+@pytest.mark.parametrize("threshold, changes", [
+    (4.0, {}),
+    (15.0, {"row_sum_mma": True}),
+    (4.0, {"overlap": True, "ping_pong": False, "stages_fwd": 2}),
+])
+def test_rescale_threshold_forward_and_grads(threshold, changes):
+  # Keys whose magnitudes grow along the sequence: the rows' running max grows at later key
+  # blocks by less and by more than the threshold, so some steps keep the stale max (P up to
+  # 2**threshold) and others rescale. The output must match the reference, and the gradients
+  # (the backward reads the forward's output and log-sum-exp) those of the classic online
+  # softmax (threshold 0): at these scores bf16's rounding of the Cartesian a and b moves the
+  # gradients of both away from the float32 reference by more than the usual tolerance.
+  q, k, v, delta, cot = _problem((1, 2, 1, 32), 200, 320, seed=5)
+  k = (k.astype(jnp.float32) * jnp.linspace(0.5, 12.0, 320)[None, :, None, None]
+       ).astype(jnp.bfloat16)
+  q = q * 4
+  jumps = _block_max_jumps(q, k, delta, 64, True)
+  assert ((jumps > 0) & (jumps <= threshold)).sum() > 50, "no stale-max steps"
+  assert (jumps > threshold).sum() > 50, "no rescaled steps"
+  blocks = BlockSizes(block_kv=64, rescale_threshold=threshold, **changes)
+  got = _kernel_value_and_grads(blocks, q, k, v, delta, cot, is_causal=True)
+  classic = _kernel_value_and_grads(dataclasses.replace(blocks, rescale_threshold=0.0),
+                                    q, k, v, delta, cot, is_causal=True)
+  want = attention.pope_attention(q, k, v, delta, implementation="xla", is_causal=True)
+  _assert_close(got[:1], (want,))
+  _assert_close(got, classic)
+
+
 def test_dkv_outputs_validate():
   x = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
   row = jnp.zeros((1, 1, 128), jnp.float32)
@@ -539,6 +584,9 @@ def test_block_sizes_validate():
   with pytest.raises(ValueError, match="bounded_softmax"):
     BlockSizes(overlap=True, stages_fwd=3, bounded_softmax=True)
   assert default_block_sizes(64).seq_multiple == 128
+  for bad in (-1.0, 15.5, float("nan"), True):
+    with pytest.raises(ValueError, match="rescale_threshold"):
+      BlockSizes(rescale_threshold=bad)
 
 
 def test_forward_stages_fit_in_smem(monkeypatch):
