@@ -82,17 +82,20 @@ class BlockSizes:
       PoPE language model trained on Shakespeare had 43.8 % of its tiles bounded (2.9 % in its
       last layer; run 18 D): measure a model's share with `experiments.score_bounds` before
       turning this on. Not with `overlap`.
-    rescale_threshold: forward only, online-softmax tiles: how far (log2 units) a row's
-      running max may grow before the accumulator is rescaled (FlashAttention-4's conditional
-      rescaling; tokamax's `rescale_threshold` is the same idea as a factor). Until then the
-      row keeps its stale max, so P = exp2(s - m) stays below 2**rescale_threshold, and the
-      output and log-sum-exp, normalised by row sums taken against the same max, are exact.
-      The rescale of the [block_q, V] accumulator runs in a branch that each warp takes only
-      where one of its rows' max moved (a lane vote, `_streaming.warp_any`), so most steps
-      skip its multiplies. 0.0 moves the max whenever it grows (the classic online softmax);
-      at most `MAX_RESCALE_THRESHOLD` (15), which keeps P within float16's range. Default 8
-      (FlashAttention-4's): on the H200 (docs/results, run 26) the H = 128 forward 2.0 %
-      faster than at 0 in three pairs, H = 64 and forward+backward within noise.
+    rescale_threshold: forward only, online-softmax tiles: None (default) rescales the
+      accumulator at every step (the classic online softmax); a number of log2 units is how
+      far a row's running max may grow before the accumulator is rescaled (FlashAttention-4's
+      conditional rescaling; tokamax's `rescale_threshold` is the same idea as a factor).
+      Until then the row keeps its stale max, so P = exp2(s - m) stays below
+      2**rescale_threshold, and the output and log-sum-exp, normalised by row sums taken
+      against the same max, are exact. The rescale of the [block_q, V] accumulator then runs
+      in a branch that each warp takes only where one of its rows' max moved (a lane vote,
+      `_streaming.warp_any`), so most steps skip its multiplies; 0.0 moves the max whenever
+      it grows. At most `MAX_RESCALE_THRESHOLD` (15), which keeps P within float16's range.
+      On the H200 (docs/results, run 26) 8 made the H = 128 forward 2.0 % faster than 0 in
+      three pairs, and its kernel 1.2 % faster than the classic one (device time), so
+      `default_block_sizes` sets 8 there; at H = 64, under ping-pong, the vote and branch
+      made the forward kernel 6 % slower (0.403 -> 0.427 ms), so it stays None.
     query_tables: forward only: the query map reads the cos and sin of each row's angles
       pos·θ from a float16 table [2, T, H] (`pope_attention.query_table`, shared by the heads;
       a trace-time constant for concrete positions) and rotates them by the head's phase -δ,
@@ -132,7 +135,7 @@ class BlockSizes:
   persistent: bool = True
   row_sum_mma: bool = False
   bounded_softmax: bool = False
-  rescale_threshold: float = 8.0
+  rescale_threshold: float | None = None
   query_tables: bool = True
 
   def __post_init__(self):
@@ -157,10 +160,11 @@ class BlockSizes:
       value = getattr(self, field)
       if value is not None and value < 2:
         raise ValueError(f"BlockSizes.{field} must be at least 2, got {value}")
-    if (not isinstance(self.rescale_threshold, (int, float))
+    if self.rescale_threshold is not None and (
+        not isinstance(self.rescale_threshold, (int, float))
         or isinstance(self.rescale_threshold, bool)
         or not 0.0 <= self.rescale_threshold <= MAX_RESCALE_THRESHOLD):
-      raise ValueError("BlockSizes.rescale_threshold must be a number of log2 units in "
+      raise ValueError("BlockSizes.rescale_threshold must be None or a number of log2 units in "
                        f"[0, {MAX_RESCALE_THRESHOLD}], got {self.rescale_threshold!r}")
     least_fwd = self.stages if self.stages_fwd is None else self.stages_fwd
     if self.overlap and self.ping_pong and least_fwd < 3:
@@ -207,8 +211,10 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
   bound every score (run 17: 3.6-7.9 % faster forward then, 6.8 % slower where no tile is
   bounded), and a trained 12-layer PoPE language model had 43.8 % of its tiles bounded (run 18).
   At H <= 64 the forward maps the queries from cos and sin tables (`query_tables`, run 21).
+  At H = 128 the forward rescales its accumulator conditionally (`rescale_threshold` 8, run 26;
+  at H = 64 that was slower).
   """
   if head_dim <= 64:
     return BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128, stages=2)
   return BlockSizes(block_q=64, block_kv=64, stages=2, ping_pong=False, overlap_bwd=True,
-                    split_dkv=True, row_sum_mma=True, query_tables=False)
+                    split_dkv=True, row_sum_mma=True, query_tables=False, rescale_threshold=8.0)

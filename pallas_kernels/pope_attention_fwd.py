@@ -360,8 +360,8 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
         def softmax(s_blk, m_i, l_i, slot, mode, cast=True, bounded=False):
           """Online softmax of one score tile: (m, l, P, alpha), alpha the per-row factor of
           the old acc (`rescale`; 1 where the max stays, None: no rescale); P in q's dtype if
-          `cast`, else float32. A row's max m moves only when its block max exceeds it by
-          more than `blocks.rescale_threshold`, so P < 2**rescale_threshold.
+          `cast`, else float32. Under `blocks.rescale_threshold` a row's max m moves only
+          when its block max exceeds it by more than that, so P < 2**rescale_threshold.
           With `bounded` (every score within ±BOUNDED_SCORE_LIMIT) m stays 0: P =
           exp2(scores), no max and no rescale. Under `row_sum_mma` the returned l lacks this
           step's P, which `pv` adds, and its rescale, which `rescale` applies."""
@@ -375,8 +375,10 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
               l_i = l_i + p.sum(axis=1)
             return m_i, l_i, p.astype(dtype) if cast else p, None
           m_blk = s_blk.max(axis=1)
-          moved = m_blk > m_i + blocks.rescale_threshold
-          m_new = jnp.where(moved, m_blk, m_i)
+          if blocks.rescale_threshold is None:
+            m_new = jnp.maximum(m_i, m_blk)
+          else:
+            m_new = jnp.where(m_blk > m_i + blocks.rescale_threshold, m_blk, m_i)
           alpha = jnp.exp2(m_i - m_new)  # 1 where the max stays
           p = jnp.exp2(s_blk - st.broadcast(m_new, (bq, bk), 0))
           if ones_smem is None:  # (else [bq, ROW_SUM_COLS], rescaled with acc; P @ 1 in `pv`)
@@ -397,12 +399,15 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
           return values
 
         def rescale(acc, l_i, alpha):
-          """acc, and under `row_sum_mma` l, times `softmax`'s per-row alpha, in the warps
-          where some row's max moved (alpha < 1; in the others every alpha is 1)."""
+          """acc, and under `row_sum_mma` l, times `softmax`'s per-row alpha; under
+          `blocks.rescale_threshold` only in the warps where some row's max moved (alpha < 1;
+          in the others every alpha is 1)."""
           scaled = (acc,) if ones_smem is None else (acc, l_i)
-          scaled = lax.cond(st.warp_any(alpha < 1.0),
-                            lambda: tuple(x * st.broadcast(alpha, x.shape, 0) for x in scaled),
-                            lambda: scaled)
+          times_alpha = lambda: tuple(x * st.broadcast(alpha, x.shape, 0) for x in scaled)
+          if blocks.rescale_threshold is None:
+            scaled = times_alpha()
+          else:
+            scaled = lax.cond(st.warp_any(alpha < 1.0), times_alpha, lambda: scaled)
           return scaled if ones_smem is not None else (scaled[0], l_i)
 
         def pv(acc, l_i, p, slot):

@@ -62,15 +62,16 @@ def _lowered_text(h, vd, n, kh, change, dtype=jnp.bfloat16, is_causal=True):
     (64, 64, 2, 2, {"query_tables": False}),
     (64, 128, 2, 2, {}),
     (64, 64, 2, 2, {"rescale_threshold": 0.0}),
+    (128, 128, 2, 1, {"rescale_threshold": None}),
 ])
 def test_gpu_paths_lower_for_cuda(gpu_paths, h, vd, n, kh, change):
   text = _lowered_text(h, vd, n, kh, change)
   for name in KERNELS:
     assert name in text, name
-  # The forward's conditional rescale: one lane vote per online-softmax step.
-  assert "nvvm.vote.sync" in text
-  # Only the overlapped schedules await a wgmma group with one left in flight.
+  # Only the forward's conditional rescale (`rescale_threshold`) votes across lanes.
   blocks = dataclasses.replace(default_block_sizes(h), **change)
+  assert ("nvvm.vote.sync" in text) == (blocks.rescale_threshold is not None)
+  # Only the overlapped schedules await a wgmma group with one left in flight.
   assert ("wgmma.wait_group.sync.aligned 1" in text) == (blocks.overlap or blocks.overlap_bwd)
 
 

@@ -533,6 +533,7 @@ def _block_max_jumps(q, k, delta, block_kv, is_causal):
 
 
 @pytest.mark.parametrize("threshold, changes", [
+    (0.0, {}),
     (4.0, {}),
     (15.0, {"row_sum_mma": True}),
     (4.0, {"overlap": True, "ping_pong": False, "stages_fwd": 2}),
@@ -542,18 +543,19 @@ def test_rescale_threshold_forward_and_grads(threshold, changes):
   # blocks by less and by more than the threshold, so some steps keep the stale max (P up to
   # 2**threshold) and others rescale. The output must match the reference, and the gradients
   # (the backward reads the forward's output and log-sum-exp) those of the classic online
-  # softmax (threshold 0): at these scores bf16's rounding of the Cartesian a and b moves the
+  # softmax (threshold None): at these scores bf16's rounding of the Cartesian a and b moves the
   # gradients of both away from the float32 reference by more than the usual tolerance.
   q, k, v, delta, cot = _problem((1, 2, 1, 32), 200, 320, seed=5)
   k = (k.astype(jnp.float32) * jnp.linspace(0.5, 12.0, 320)[None, :, None, None]
        ).astype(jnp.bfloat16)
   q = q * 4
   jumps = _block_max_jumps(q, k, delta, 64, True)
-  assert ((jumps > 0) & (jumps <= threshold)).sum() > 50, "no stale-max steps"
+  if threshold > 0:
+    assert ((jumps > 0) & (jumps <= threshold)).sum() > 50, "no stale-max steps"
   assert (jumps > threshold).sum() > 50, "no rescaled steps"
   blocks = BlockSizes(block_kv=64, rescale_threshold=threshold, **changes)
   got = _kernel_value_and_grads(blocks, q, k, v, delta, cot, is_causal=True)
-  classic = _kernel_value_and_grads(dataclasses.replace(blocks, rescale_threshold=0.0),
+  classic = _kernel_value_and_grads(dataclasses.replace(blocks, rescale_threshold=None),
                                     q, k, v, delta, cot, is_causal=True)
   want = attention.pope_attention(q, k, v, delta, implementation="xla", is_causal=True)
   _assert_close(got[:1], (want,))
@@ -634,6 +636,8 @@ def test_block_size_defaults_and_types():
   assert default_block_sizes(128).overlap_bwd and not default_block_sizes(64).overlap_bwd
   assert not any(default_block_sizes(h).bounded_softmax for h in (64, 128))
   assert default_block_sizes(128).row_sum_mma and not default_block_sizes(64).row_sum_mma
+  assert default_block_sizes(128).rescale_threshold == 8.0
+  assert default_block_sizes(64).rescale_threshold is None
   with pytest.raises(TypeError, match="overlap_bwd"):
     BlockSizes(overlap_bwd=1)
   with pytest.raises(TypeError, match="split_dkv"):

@@ -21,5 +21,14 @@ case "$1" in
     timeout 200 $bench --skip-bench --profile --iters 10 --out "$OUT/profile.json" \
       > "$OUT/profile.log" 2>&1
     ;;
+  C)  # on B's machine right after it: the main tables in bf16 and fp16, the train step
+    timeout 330 $bench --dtypes bfloat16,float16 --iters 10 --out "$OUT/main.json" \
+      > "$OUT/main.log" 2>&1
+    timeout 200 $bench --skip-bench --train-step --train-batch 16 --iters 10 \
+      --out "$OUT/train.json" > "$OUT/train.log" 2>&1
+    ;;
+  D)  # the final tree (classic rescale at H = 64, rescale_threshold 8 at H = 128): bf16 tables
+    timeout 150 $bench --iters 10 --out "$OUT/main.json" > "$OUT/main.log" 2>&1
+    ;;
 esac
 ls -la "$OUT"
