@@ -92,9 +92,9 @@ class BlockSizes:
       in a branch that each warp takes only where one of its rows' max moved (a lane vote,
       `_streaming.warp_any`), so most steps skip its multiplies; 0.0 moves the max whenever
       it grows. At most `MAX_RESCALE_THRESHOLD` (15), which keeps P within float16's range.
-      On the H200 (docs/results, run 26) 8 made the H = 128 forward 2.0 % faster than 0 in
-      three pairs, and its kernel 1.2 % faster than the classic one (device time), so
-      `default_block_sizes` sets 8 there; at H = 64, under ping-pong, the vote and branch
+      On the H200 (docs/results, run 26) 8 made the H = 128 forward 1.9 % faster than 0 in
+      three pairs, and its kernel 1.2 % faster than the classic one (device time, 0.668 -> 0.660
+      ms), so `default_block_sizes` sets 8 there; at H = 64, under ping-pong, the vote and branch
       made the forward kernel 6 % slower (0.403 -> 0.427 ms), so it stays None.
     query_tables: forward only: the query map reads the cos and sin of each row's angles
       pos·θ from a float16 table [2, T, H] (`pope_attention.query_table`, shared by the heads;
