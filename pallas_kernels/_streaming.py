@@ -518,7 +518,9 @@ def warp_any(flags: jax.Array) -> jax.Array:
   differ between the warps of a warpgroup, for a `lax.cond` whose branches hold no
   warpgroup-wide operation (wgmma, barriers). The CPU interpreter runs a warpgroup as one
   program and takes the OR over all rows, which callers must accept as well (a branch taken
-  where the warp's vote alone would have skipped it)."""
+  where the warp's vote alone would have skipped it). The result is declared `WG_SPLAT` (one
+  value per warpgroup) but is only uniform per warp: nothing may rely on it agreeing across
+  the warpgroup's warps."""
   if interpreted():
     return jnp.any(flags)
 

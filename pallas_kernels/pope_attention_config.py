@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-# The largest `BlockSizes.rescale_threshold`: P stays below 2**15, inside float16's range
+# The largest `BlockSizes.rescale_threshold`: P is at most 2**15, inside float16's range
 # (65504) with room for the bf16/fp16 rounding of P.
 MAX_RESCALE_THRESHOLD = 15.0
 
@@ -86,16 +86,17 @@ class BlockSizes:
       accumulator at every step (the classic online softmax); a number of log2 units is how
       far a row's running max may grow before the accumulator is rescaled (FlashAttention-4's
       conditional rescaling; tokamax's `rescale_threshold` is the same idea as a factor).
-      Until then the row keeps its stale max, so P = exp2(s - m) stays below
+      Until then the row keeps its stale max, so P = exp2(s - m) is at most
       2**rescale_threshold, and the output and log-sum-exp, normalised by row sums taken
       against the same max, are exact. The rescale of the [block_q, V] accumulator then runs
       in a branch that each warp takes only where one of its rows' max moved (a lane vote,
       `_streaming.warp_any`), so most steps skip its multiplies; 0.0 moves the max whenever
       it grows. At most `MAX_RESCALE_THRESHOLD` (15), which keeps P within float16's range.
       On the H200 (docs/results, run 26) 8 made the H = 128 forward 1.9 % faster than 0 in
-      three pairs, and its kernel 1.2 % faster than the classic one (device time, 0.668 -> 0.660
-      ms), so `default_block_sizes` sets 8 there; at H = 64, under ping-pong, the vote and branch
-      made the forward kernel 6 % slower (0.403 -> 0.427 ms), so it stays None.
+      three pairs on one machine, so `default_block_sizes` sets 8 there. Against None (no vote,
+      no branch), only on different machines so far: the H = 128 forward kernel took 0.660 ms
+      of device time against run 25's 0.668, and at H = 64, under ping-pong, 0.427 against
+      0.403 (6 % slower), so there it stays None.
     query_tables: forward only: the query map reads the cos and sin of each row's angles
       pos·θ from a float16 table [2, T, H] (`pope_attention.query_table`, shared by the heads;
       a trace-time constant for concrete positions) and rotates them by the head's phase -δ,

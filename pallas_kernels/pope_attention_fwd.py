@@ -361,7 +361,7 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
           """Online softmax of one score tile: (m, l, P, alpha), alpha the per-row factor of
           the old acc (`rescale`; 1 where the max stays, None: no rescale); P in q's dtype if
           `cast`, else float32. Under `blocks.rescale_threshold` a row's max m moves only
-          when its block max exceeds it by more than that, so P < 2**rescale_threshold.
+          when its block max exceeds it by more than that, so P <= 2**rescale_threshold.
           With `bounded` (every score within ±BOUNDED_SCORE_LIMIT) m stays 0: P =
           exp2(scores), no max and no rescale. Under `row_sum_mma` the returned l lacks this
           step's P, which `pv` adds, and its rescale, which `rescale` applies."""
