@@ -92,11 +92,10 @@ class BlockSizes:
       in a branch that each warp takes only where one of its rows' max moved (a lane vote,
       `_streaming.warp_any`), so most steps skip its multiplies; 0.0 moves the max whenever
       it grows. At most `MAX_RESCALE_THRESHOLD` (15), which keeps P within float16's range.
-      On the H200 (docs/results, run 26) 8 made the H = 128 forward 1.9 % faster than 0 in
-      three pairs on one machine, so `default_block_sizes` sets 8 there. Against None (no vote,
-      no branch), only on different machines so far: the H = 128 forward kernel took 0.660 ms
-      of device time against run 25's 0.668, and at H = 64, under ping-pong, 0.427 against
-      0.403 (6 % slower), so there it stays None.
+      On the H200 (docs/results, runs 26 and 27), against None (no vote, no branch) on one
+      machine, 8 made the H = 128 forward 0.8-3.0 % faster (and 1.9 % faster than 0), so
+      `default_block_sizes` sets 8 there; at H = 64, under ping-pong, the vote and branch made
+      the forward 2.0-4.2 % slower, so there it stays None.
     query_tables: forward only: the query map reads the cos and sin of each row's angles
       pos·θ from a float16 table [2, T, H] (`pope_attention.query_table`, shared by the heads;
       a trace-time constant for concrete positions) and rotates them by the head's phase -δ,
@@ -212,8 +211,8 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
   bound every score (run 17: 3.6-7.9 % faster forward then, 6.8 % slower where no tile is
   bounded), and a trained 12-layer PoPE language model had 43.8 % of its tiles bounded (run 18).
   At H <= 64 the forward maps the queries from cos and sin tables (`query_tables`, run 21).
-  At H = 128 the forward rescales its accumulator conditionally (`rescale_threshold` 8, run 26;
-  at H = 64 that was slower).
+  At H = 128 the forward rescales its accumulator conditionally (`rescale_threshold` 8, runs 26
+  and 27; at H = 64 that was slower).
   """
   if head_dim <= 64:
     return BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128, stages=2)
