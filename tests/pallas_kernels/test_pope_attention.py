@@ -548,7 +548,7 @@ def _stale_max_steps(q, k, delta, block_q, block_kv, threshold):
 @pytest.mark.parametrize("threshold, q_scale, changes", [
     (0.0, 4.0, {}),
     (8.0, 1.0, {}),
-    (15.0, 4.0, {"row_sum_mma": True}),
+    (15.0, 1.0, {"row_sum_mma": True}),
     (8.0, 1.0, {"overlap": True, "ping_pong": False, "stages_fwd": 2}),
 ])
 def test_rescale_threshold_forward_and_grads(threshold, q_scale, changes):
