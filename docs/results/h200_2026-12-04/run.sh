@@ -23,6 +23,10 @@ case "$1" in
       --check-shapes check_h32_persistent,check_h64_decode --out "$OUT/check_fp16_rest.json" \
       > "$OUT/check_fp16_rest.log" 2>&1
     ;;
+  C)  # device time per op of the final tree (ours, bounded_softmax, the expansion baselines)
+    timeout 210 $bench --skip-bench --profile --iters 10 --out "$OUT/profile.json" \
+      > "$OUT/profile.log" 2>&1
+    ;;
 esac
 nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv >> "$OUT/gpu.txt"
 ls -la "$OUT"
