@@ -93,9 +93,9 @@ class BlockSizes:
       `_streaming.warp_any`), so most steps skip its multiplies; 0.0 moves the max whenever
       it grows. At most `MAX_RESCALE_THRESHOLD` (15), which keeps P within float16's range.
       On the H200 (docs/results, runs 26 and 27), against None (no vote, no branch) on one
-      machine, 8 made the H = 128 forward 0.8-3.0 % faster (and 1.9 % faster than 0), so
+      machine, 8 made the H = 128 forward 0.8-2.9 % faster (and 1.9 % faster than 0), so
       `default_block_sizes` sets 8 there; at H = 64, under ping-pong, the vote and branch made
-      the forward 2.0-4.2 % slower, so there it stays None.
+      the forward 1.8-4.2 % slower, so there it stays None.
     query_tables: forward only: the query map reads the cos and sin of each row's angles
       pos·θ from a float16 table [2, T, H] (`pope_attention.query_table`, shared by the heads;
       a trace-time constant for concrete positions) and rotates them by the head's phase -δ,
