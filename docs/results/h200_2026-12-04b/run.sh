@@ -23,6 +23,10 @@ case "$1" in
     timeout 250 $bench --skip-bench --train-step --train-batch 16 --iters 10 \
       --out "$OUT/train.json" > "$OUT/train.log" 2>&1
     ;;
+  C)  # the fp16 main tables
+    timeout 220 $bench --iters 10 --dtypes float16 --out "$OUT/main_fp16.json" \
+      > "$OUT/main_fp16.log" 2>&1
+    ;;
 esac
 nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv >> "$OUT/gpu.txt"
 ls -la "$OUT"
