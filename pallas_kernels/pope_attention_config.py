@@ -96,11 +96,6 @@ class BlockSizes:
       machine, 8 made the H = 128 forward 0.8-2.9 % faster (and 1.9 % faster than 0), so
       `default_block_sizes` sets 8 there; at H = 64, under ping-pong, the vote and branch made
       the forward 1.8-4.2 % slower, so there it stays None.
-    exp2_fma_cols: forward only: of each step's block_kv score columns, how many (the last
-      ones; a multiple of 8, the wgmma tile's width) take P = exp2(s - m) on the FMA and
-      integer units (`_streaming.exp2_fma`, FlashAttention-4's software exponential) rather
-      than the SFU, whose 16 results per cycle per SM bound the softmax's exp2 (docs/results,
-      run 12). 0 (default): every exp2 on the SFU.
     query_tables: forward only: the query map reads the cos and sin of each row's angles
       pos·θ from a float16 table [2, T, H] (`pope_attention.query_table`, shared by the heads;
       a trace-time constant for concrete positions) and rotates them by the head's phase -δ,
@@ -142,11 +137,10 @@ class BlockSizes:
   bounded_softmax: bool = False
   rescale_threshold: float | None = None
   query_tables: bool = True
-  exp2_fma_cols: int = 0
 
   def __post_init__(self):
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",
-                  "block_q_dkv", "stages", "exp2_fma_cols"):
+                  "block_q_dkv", "stages"):
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"BlockSizes.{field} must be an int, got {value!r}")
@@ -172,9 +166,6 @@ class BlockSizes:
         or not 0.0 <= self.rescale_threshold <= MAX_RESCALE_THRESHOLD):
       raise ValueError("BlockSizes.rescale_threshold must be None or a number of log2 units in "
                        f"[0, {MAX_RESCALE_THRESHOLD}], got {self.rescale_threshold!r}")
-    if not 0 <= self.exp2_fma_cols <= self.block_kv or self.exp2_fma_cols % 8:
-      raise ValueError("BlockSizes.exp2_fma_cols must be a multiple of 8 in [0, block_kv="
-                       f"{self.block_kv}], got {self.exp2_fma_cols}")
     least_fwd = self.stages if self.stages_fwd is None else self.stages_fwd
     if self.overlap and self.ping_pong and least_fwd < 3:
       raise ValueError("BlockSizes.overlap with ping_pong needs stages_fwd >= 3 (or, with "

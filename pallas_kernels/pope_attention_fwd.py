@@ -356,16 +356,6 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
         def scores(slot):
           return a_lhs, b_smem.at[slot].transpose((1, 0)), (bq, bk)
 
-        def exp2(x):
-          """P = exp2(x) of a [bq, bk] score tile: its last `blocks.exp2_fma_cols` columns on
-          the FMA units (`st.exp2_fma`), the others on the SFU."""
-          n_sfu = bk - blocks.exp2_fma_cols
-          if n_sfu == bk:
-            return jnp.exp2(x)
-          if n_sfu == 0:
-            return st.exp2_fma(x)
-          return jnp.concatenate([jnp.exp2(x[:, :n_sfu]), st.exp2_fma(x[:, n_sfu:])], axis=1)
-
         @jax.named_scope("softmax")
         def softmax(s_blk, m_i, l_i, slot, mode, cast=True, bounded=False):
           """Online softmax of one score tile: (m, l, P, alpha), alpha the per-row factor of
@@ -380,7 +370,7 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
             visible = st.broadcast(kpos, (bq, bk), 1) <= st.broadcast(qpos, (bq, bk), 0)
             s_blk = jnp.where(visible, s_blk, st.NEG_INF)
           if bounded:
-            p = exp2(s_blk)
+            p = jnp.exp2(s_blk)
             if ones_smem is None:
               l_i = l_i + p.sum(axis=1)
             return m_i, l_i, p.astype(dtype) if cast else p, None
@@ -390,7 +380,7 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
           else:
             m_new = jnp.where(m_blk > m_i + blocks.rescale_threshold, m_blk, m_i)
           alpha = jnp.exp2(m_i - m_new)  # 1 where the max stays
-          p = exp2(s_blk - st.broadcast(m_new, (bq, bk), 0))
+          p = jnp.exp2(s_blk - st.broadcast(m_new, (bq, bk), 0))
           if ones_smem is None:  # (else [bq, ROW_SUM_COLS], rescaled with acc; P @ 1 in `pv`)
             l_i = l_i * alpha + p.sum(axis=1)
           if cast:

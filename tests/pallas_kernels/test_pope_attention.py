@@ -577,52 +577,6 @@ def test_rescale_threshold_forward_and_grads(threshold, q_scale, changes):
   _assert_close(got, classic)
 
 
-def _exp2_fma_numpy(x):
-  """`_streaming.exp2_fma` as the GPU computes it (the 1.5·2**23 rounding), in numpy float32."""
-  return _streaming._exp2_fma_math(np.asarray(x, np.float32), np.maximum,
-                                   lambda v: v.view(np.int32), lambda v: v.view(np.float32))
-
-
-@pytest.mark.parametrize("exp2", [
-    _exp2_fma_numpy,
-    lambda x: np.asarray(jax.jit(_streaming.exp2_fma)(jnp.asarray(x))),  # the interpreter's
-])
-def test_exp2_fma_matches_exp2(exp2):
-  x = np.concatenate([np.linspace(-126.0, 20.0, 400_001, dtype=np.float32),
-                      np.float32([-0.5, 0.5, 0.0, -1e-30, 15.0])])
-  got = np.asarray(exp2(x), np.float64)
-  want = np.exp2(x.astype(np.float64))
-  assert np.abs(got / want - 1).max() < _streaming.EXP2_FMA_RTOL
-  assert got[-3] == 1.0
-  # Masked scores (-inf) and anything at or below -127 give exactly zero, as the SFU's ex2.
-  low = np.float32([-np.inf, -1e30, -200.0, -127.0])
-  assert np.all(exp2(low) == 0.0)
-  between = exp2(np.float32([-126.9, -126.2]))
-  assert np.all((between >= 0) & (between < 2.0**-125))
-
-
-@pytest.mark.parametrize("cols, changes", [
-    (32, {}),
-    (64, {"row_sum_mma": True}),
-    (16, {"bounded_softmax": True}),
-])
-def test_exp2_fma_cols_forward_and_grads(cols, changes):
-  # Part of each step's (or every) exp2 of P on the FMA units: the same attention as the SFU's
-  # exp2, forward and gradients (the backward reads the forward's log-sum-exp), on masked and
-  # full steps and, with bounded_softmax, on the bounded tiles' P = exp2(scores).
-  q, k, v, delta, cot = _problem((1, 2, 1, 32), 150, 260, seed=21)
-  blocks = BlockSizes(block_kv=64, exp2_fma_cols=cols, **changes)
-  got = _kernel_value_and_grads(blocks, q, k, v, delta, cot, is_causal=True)
-  sfu = _kernel_value_and_grads(dataclasses.replace(blocks, exp2_fma_cols=0), q, k, v, delta,
-                                cot, is_causal=True)
-  want = attention.pope_attention(q, k, v, delta, implementation="xla", is_causal=True)
-  _assert_close(got[:1], (want,))
-  _assert_close(got, sfu)
-  # Closer to the SFU's result than bf16's rounding: P differs by at most EXP2_FMA_RTOL.
-  out, out_sfu = np.asarray(got[0], np.float32), np.asarray(sfu[0], np.float32)
-  assert np.abs(out - out_sfu).max() < 2**-7 * np.abs(out_sfu).max()
-
-
 def test_dkv_outputs_validate():
   x = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
   row = jnp.zeros((1, 1, 128), jnp.float32)

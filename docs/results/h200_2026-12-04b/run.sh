@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The GPU calls of run 28 (docs/results/attention_kernel.md): bash run.sh CALL, from the
 # repository root on the H200, with tokamax's and grain's wheels in .whl_kernel/ and .whl_ii/.
+# All three calls ran commit 41a2bdf: main with exp2_fma.diff applied (`git apply
+# docs/results/h200_2026-12-04b/exp2_fma.diff`), whose BlockSizes.exp2_fma_cols is 0 by default
+# (B and C thus ran main's kernels).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
   .whl_kernel/*.whl .whl_ii/*.whl >/dev/null 2>&1
