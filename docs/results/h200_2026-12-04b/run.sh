@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU calls of run 28 (docs/results/attention_kernel.md): bash run.sh CALL, from the
 # repository root on the H200, with tokamax's and grain's wheels in .whl_kernel/ and .whl_ii/.
-# All three calls ran commit 41a2bdf: main with exp2_fma.diff applied (`git apply
+# Calls A-C ran commit 41a2bdf (D ran main after the patch was reverted): main with exp2_fma.diff applied (`git apply
 # docs/results/h200_2026-12-04b/exp2_fma.diff`), whose BlockSizes.exp2_fma_cols is 0 by default
 # (B and C thus ran main's kernels).
 set -u
@@ -29,6 +29,9 @@ case "$1" in
   C)  # the fp16 main tables
     timeout 220 $bench --iters 10 --dtypes float16 --out "$OUT/main_fp16.json" \
       > "$OUT/main_fp16.log" 2>&1
+    ;;
+  D)  # the bf16 main tables again, on another machine (main, 8e67c0a or later: docs only)
+    timeout 200 $bench --iters 10 --out "$OUT/main.json" > "$OUT/main.log" 2>&1
     ;;
 esac
 nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv >> "$OUT/gpu.txt"
