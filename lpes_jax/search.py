@@ -175,7 +175,11 @@ def initial_population(rng: np.random.Generator, bez: bezier.BezierConfig, cfg: 
 
 def next_generation(rng: np.random.Generator, population: np.ndarray, fitness: np.ndarray,
                     bez: bezier.BezierConfig, cfg: SearchConfig, seen: set[str]):
-  """Elitism + mutation + crossover.
+  """Elitism + mutation + crossover. A crossover that finds no child not seen before in
+  `cfg.max_redraws` draws (parents that differ in few control points) is replaced by a mutation.
+
+  Raises:
+    RuntimeError: no unseen mutation in `cfg.max_redraws` draws.
 
   Returns:
     (parents [num_parents, C, 2], parent fitness [num_parents], children [P − num_parents, C, 2]).
@@ -183,15 +187,18 @@ def next_generation(rng: np.random.Generator, population: np.ndarray, fitness: n
   order = np.argsort(-np.asarray(fitness), kind="stable")[:cfg.num_parents]
   parents, parent_fit = population[order], np.asarray(fitness)[order]
   children = []
+  mutation = lambda: mutate(rng, parents[rng.integers(len(parents))], bez, cfg.mutation_y_steps)
   for _ in range(cfg.num_mutations):
-    children.append(_new_individual(
-        lambda: mutate(rng, parents[rng.integers(len(parents))], bez, cfg.mutation_y_steps),
-        seen, cfg.max_redraws, "mutation"))
+    children.append(_new_individual(mutation, seen, cfg.max_redraws, "mutation"))
   for _ in range(cfg.num_crossovers):
     def draw():
       i, j = rng.choice(len(parents), size=2, replace=False)
       return crossover(rng, parents[i], parents[j], bez, cfg.max_redraws)
-    children.append(_new_individual(draw, seen, cfg.max_redraws, "crossover"))
+    try:
+      children.append(_new_individual(draw, seen, cfg.max_redraws, "crossover"))
+    except RuntimeError:  # Few parents that differ in few points: every child already seen.
+      children.append(_new_individual(mutation, seen, cfg.max_redraws,
+                                      "mutation in place of a crossover"))
   return parents, parent_fit, np.stack(children)
 
 
@@ -352,7 +359,8 @@ def make_fitness_fn(params, batch: FitnessBatch, *, mode: str = "teacher_forced"
   if np.any(counts == 0):
     raise ValueError(f"every subset needs examples, got counts {dict(zip(SUBSETS, counts))}")
   E = batch.num_examples
-  valid = _chunks(np.ones(E, bool), example_batch)
+  n_chunks = -(-E // example_batch)  # `_chunks` pads the last chunk: those rows do not count
+  valid = (np.arange(n_chunks * example_batch) < E).reshape(n_chunks, example_batch)
   onehot = _chunks(np.eye(len(SUBSETS), dtype=np.float32)[batch.subset], example_batch)
   if mode == "teacher_forced":
     data = tuple(_chunks(a, example_batch) for a in teacher_forced_inputs(batch))

@@ -109,6 +109,33 @@ def test_operators_keep_constraints():
     assert all((c[i] == a[i]).all() or (c[i] == b[i]).all() for i in range(4))
 
 
+def test_crossovers_all_seen_fall_back_to_mutations():
+  # Two parents that differ in one control point have only themselves as crossover children;
+  # with both seen, the generation takes mutations in their place instead of stopping.
+  bez = bezier.BezierConfig(num_layers=12)
+  rng = np.random.default_rng(1)
+  a = search.random_genome(rng, bez)
+  b = search.mutate(rng, a, bez, 2)
+  cfg = search.SearchConfig(population_size=4, num_parents=2, num_mutations=1, num_crossovers=1)
+  seen = {search._key(a), search._key(b)}
+  parents, _, children = search.next_generation(rng, np.stack([a, b]), np.array([1.0, 0.5]),
+                                                bez, cfg, seen)
+  assert len(children) == 2 and len(seen) == 4
+  for child in children:
+    bezier.validate_genome(child, bez)
+    assert not any((child == p).all() for p in parents)
+
+
+@pytest.mark.parametrize("example_batch", [2, 3, 8])
+def test_fitness_counts_each_example_once(example_batch):
+  # Three examples, all answered correctly, in chunks that need padding or not: the padding
+  # rows (copies of the first example) must not count.
+  batch = search.make_batch([[1, 2], [1, 3], [1, 4]], [[5], [5], [5]], [0, 1, 2])
+  forward = lambda p, t, m, mult, w: jax.nn.one_hot(jnp.full(t.shape[:1] + (w,), 5), 8)
+  fitness = search.make_fitness_fn(None, batch, forward=forward, example_batch=example_batch)
+  np.testing.assert_array_equal(fitness(np.ones((1, 2))), [[1.0, 1.0, 1.0]])
+
+
 def test_config_and_batch_errors():
   with pytest.raises(ValueError, match="must equal population_size"):
     search.SearchConfig(population_size=10)
