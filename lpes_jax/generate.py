@@ -28,6 +28,7 @@ import numpy as np
 
 from lpes_jax.config import LlamaConfig
 from lpes_jax.llama import Llama, init_kv_cache
+from pope_jax import encodings
 
 Array = jax.Array
 
@@ -150,11 +151,12 @@ def greedy_generate(
     B lists of new token ids.
 
   Raises:
-    ValueError: no prompts, an empty prompt, or a prompt (plus max_new_tokens) longer than
-      max_cache_len.
+    ValueError: no prompts, an empty prompt, non-finite concrete rope_multipliers, or a
+      prompt (plus max_new_tokens) longer than max_cache_len.
   """
   if not prompts:
     raise ValueError("prompts is empty: give at least one prompt")
+  encodings.check_finite_multipliers(rope_multipliers, "rope_multipliers")
   if any(len(p) == 0 for p in prompts):
     raise ValueError("every prompt needs at least one token")
   longest = max(len(p) for p in prompts)

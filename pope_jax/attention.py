@@ -137,10 +137,11 @@ def dot_product_attention_reference(
 
 
 def _check_multiplier(multiplier, query: Array) -> None:
-  """A multiplier is None, a scalar or one value per query head."""
+  """A multiplier is None, a scalar or one value per query head; concrete values are finite."""
   if multiplier is not None and jnp.ndim(multiplier) and jnp.shape(multiplier) != query.shape[2:3]:
     raise ValueError(f"multiplier must be a scalar or have shape [num_heads] = "
                      f"[{query.shape[2]}] (the query's heads), got {jnp.shape(multiplier)}")
+  encodings.check_finite_multipliers(multiplier, "multiplier")
 
 
 def _positions(q: Array, k: Array, q_positions, k_positions, key_mask, *,

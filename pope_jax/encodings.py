@@ -21,6 +21,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -92,6 +93,16 @@ def scale_frequencies(freqs: Array, multiplier: Array | float | None) -> Array:
   if m.ndim == 1:
     return m[:, None] * freqs[None, :]
   raise ValueError(f"multiplier must have shape [] or [num_heads], got {m.shape}")
+
+
+def check_finite_multipliers(multipliers, name: str) -> None:
+  """Raises ValueError naming `name` if concrete `multipliers` (None, a number or an array)
+  hold a NaN or an infinity (e.g. 1/s of a scale s = 0); traced values are not checked."""
+  if multipliers is None or isinstance(multipliers, jax.core.Tracer):
+    return
+  values = np.asarray(multipliers, np.float64)
+  if not np.all(np.isfinite(values)):
+    raise ValueError(f"{name} must be finite, got {values.tolist()}")
 
 
 def kv_head_multiplier(multiplier, num_heads: int, num_kv_heads: int):

@@ -61,6 +61,13 @@ def test_multipliers_change_logits_and_vmap(params):
   assert out.shape == (2, 1, 3)
 
 
+def test_greedy_generate_refuses_non_finite_multipliers(params):
+  # 1/s of a scale s = 0 (the README's multipliers = 1/scales) is named, not decoded into garbage.
+  m = 1 / jnp.asarray([1.0] * (CFG.num_layers - 1) + [0.0])
+  with pytest.raises(ValueError, match="rope_multipliers must be finite"):
+    greedy_generate(CFG, params, [[1, 2, 3]], max_new_tokens=2, rope_multipliers=m)
+
+
 def test_left_padded_batch_decodes_like_each_prompt_alone(params):
   rng = np.random.default_rng(0)
   prompts = [rng.integers(1, CFG.vocab_size, n).tolist() for n in (3, 9, 6)]

@@ -252,10 +252,14 @@ def test_complex_delta_is_refused():
     attention.pope_attention(q, k, v, delta.astype(jnp.complex64))
 
 
-def test_non_finite_multipliers_are_named_before_the_gqa_check():
+@pytest.mark.parametrize("multiplier", [jnp.full(4, jnp.nan), float("inf"), 1 / jnp.zeros(())])
+@pytest.mark.parametrize("fn", [attention.pope_attention, attention.rope_attention])
+def test_non_finite_multipliers_are_named_before_the_gqa_check(fn, multiplier):
+  # Concrete per-head and scalar multipliers (e.g. 1/s of a scale s = 0), on either path.
   q, k, v, delta = _qkv(n=4, k=2)
-  with pytest.raises(ValueError, match="multipliers must be finite"):
-    attention.pope_attention(q, k, v, delta, multiplier=jnp.full(4, jnp.nan))
+  args = (q, k, v, delta) if fn is attention.pope_attention else (q, k, v)
+  with pytest.raises(ValueError, match="multiplier must be finite"):
+    fn(*args, multiplier=multiplier)
 
 
 @pytest.mark.parametrize("fn", [
