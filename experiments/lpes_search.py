@@ -104,6 +104,11 @@ def main(argv=None) -> None:
   args = p.parse_args(argv)
   if args.answer_prefix is None:
     args.answer_prefix = ' "' if args.task == "kv" else " "
+  if args.num_examples < len(search.SUBSETS):
+    p.error(f"--num-examples {args.num_examples}: the search needs at least one example per "
+            f"subset ({', '.join(search.SUBSETS)}), so at least {len(search.SUBSETS)}")
+  if args.example_batch < 1:
+    p.error(f"--example-batch {args.example_batch}: must be at least 1")
   try:  # Before the slow model load; the config names its fields, the flags follow.
     scfg = search_config(args)
   except ValueError as e:

@@ -32,6 +32,18 @@ def test_search_settings_that_do_not_add_up_are_usage_errors(capsys):
   assert "population_size = 4" in err and "--parents" in err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--num-examples", "2"], "--num-examples 2"),
+    (["--num-examples", "0"], "--num-examples 0"),
+    (["--example-batch", "0"], "--example-batch 0"),
+])
+def test_example_counts_are_usage_errors_before_the_model_loads(capsys, flags, message):
+  with pytest.raises(SystemExit) as e:
+    lpes_search.main(NO_MODEL + ["--task", "kv"] + flags)
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("content, message", [
     ("{", "not valid JSON"),
     (json.dumps({"best": [1.0]}), "no 'scales' field"),
