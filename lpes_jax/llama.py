@@ -224,12 +224,19 @@ class Llama(nn.Module):
       "hidden_states" (apply with `mutable=["intermediates"]` to read them).
 
     Raises:
-      ValueError: bad multiplier shape; T larger than the cache's free slots (checked when the
-        cache index is concrete; under jit only against the cache length).
+      ValueError: tokens not 2-D; attention_mask or positions not of the tokens' shape; bad
+        multiplier shape; T larger than the cache's free slots (checked when the cache index
+        is concrete; under jit only against the cache length).
     """
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
+    if jnp.ndim(tokens) != 2:
+      raise ValueError(f"tokens must be [batch, length], got shape {jnp.shape(tokens)} "
+                       "(add a batch axis: tokens[None])")
     b, t = tokens.shape
+    for name, value in (("attention_mask", attention_mask), ("positions", positions)):
+      if value is not None and jnp.shape(value) != (b, t):
+        raise ValueError(f"{name} must have the tokens' shape {(b, t)}, got {jnp.shape(value)}")
     plain = kv_cache is None and attention_mask is None and positions is None
     if attention_mask is None:
       attention_mask = jnp.ones((b, t), bool)

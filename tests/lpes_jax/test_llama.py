@@ -61,6 +61,16 @@ def test_multipliers_change_logits_and_vmap(params):
   assert out.shape == (2, 1, 3)
 
 
+def test_bad_token_and_mask_shapes_are_named(params):
+  model, toks = Llama(CFG), jnp.ones((1, 8), jnp.int32)
+  with pytest.raises(ValueError, match=r"tokens must be \[batch, length\]"):
+    model.apply({"params": params}, toks[0])
+  with pytest.raises(ValueError, match=r"attention_mask must have the tokens' shape \(1, 8\)"):
+    model.apply({"params": params}, toks, attention_mask=jnp.ones((1, 5), bool))
+  with pytest.raises(ValueError, match=r"positions must have the tokens' shape"):
+    model.apply({"params": params}, toks, positions=jnp.arange(8))
+
+
 def test_greedy_generate_refuses_non_finite_multipliers(params):
   # 1/s of a scale s = 0 (the README's multipliers = 1/scales) is named, not decoded into garbage.
   m = 1 / jnp.asarray([1.0] * (CFG.num_layers - 1) + [0.0])
