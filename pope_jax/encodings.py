@@ -154,12 +154,18 @@ def angles(positions: Array, freqs: Array) -> Array:
   return pos[:, :, None, None] * freqs[None, None]
 
 
-def _check_heads(x: Array, freqs: Array, name: str) -> None:
+def _check_shapes(x: Array, freqs: Array, name: str, positions: Array) -> None:
   if x.ndim != 4:
     raise ValueError(f"{name} must have shape [B, T, N, H], got {x.shape}")
   if freqs.ndim == 2 and freqs.shape[0] != x.shape[2]:
     raise ValueError(
         f"per-head multiplier has {freqs.shape[0]} entries but {name} has {x.shape[2]} heads")
+  b, t = x.shape[:2]
+  shape = jnp.shape(positions)
+  if shape != (t,) and not (len(shape) == 2 and shape[1] == t
+                            and (shape[0] == b or 1 in (b, shape[0]))):  # (batches broadcast)
+    raise ValueError(f"positions must have shape [T] = [{t}] or [B, T] = [{b}, {t}] ({name} "
+                     f"has shape {x.shape}), got {shape}")
 
 
 def apply_rope(
@@ -187,7 +193,8 @@ def apply_rope(
     [B, T, N, H] in x's dtype; the rotation is computed in float32.
 
   Raises:
-    ValueError: odd head dim, bad shapes or unknown layout.
+    ValueError: odd head dim, bad shapes (x, positions, frequencies, multiplier) or unknown
+      layout.
   """
   if x.shape[-1] % 2:
     raise ValueError(f"RoPE needs an even head dim, got x of shape {x.shape}")
@@ -196,7 +203,7 @@ def apply_rope(
   elif jnp.shape(frequencies) != (x.shape[-1] // 2,):
     raise ValueError(f"frequencies must have shape [{x.shape[-1] // 2}], got {frequencies.shape}")
   freqs = scale_frequencies(frequencies, multiplier)
-  _check_heads(x, freqs, "x")
+  _check_shapes(x, freqs, "x", positions)
   ang = angles(positions, freqs)                                 # [B|1, T, N|1, H/2]
   cos, sin = jnp.cos(ang), jnp.sin(ang)
   xf = x.astype(jnp.float32)
@@ -259,9 +266,12 @@ def pope_cartesian(
 
   Returns:
     [B, T, N, 2H] float32.
+
+  Raises:
+    ValueError: bad shapes (x, positions, phase, multiplier).
   """
   freqs = scale_frequencies(pope_frequencies(x.shape[-1], base), multiplier)
-  _check_heads(x, freqs, "x")
+  _check_shapes(x, freqs, "x", positions)
   ang = angles(positions, freqs)                                  # [B|1, T, N|1, H]
   if phase is not None:
     if phase.shape != x.shape[2:]:

@@ -155,3 +155,11 @@ def test_cartesian_gradient_when_x_broadcasts_against_batched_positions():
   want = jax.grad(functools.partial(loss, _plain_cartesian))(x)
   assert got.shape == x.shape
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fn", [encodings.apply_rope, encodings.pope_cartesian])
+@pytest.mark.parametrize("positions", [np.arange(4), np.zeros((3, 5), np.int32)])
+def test_positions_of_the_wrong_shape_are_named(fn, positions):
+  x = jnp.ones((2, 5, 3, 8))
+  with pytest.raises(ValueError, match=r"positions must have shape \[T\] = \[5\] or \[B, T\]"):
+    fn(x, positions)
