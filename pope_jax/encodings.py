@@ -126,8 +126,7 @@ def kv_head_multiplier(multiplier, num_heads: int, num_kv_heads: int):
     return multiplier
   groups = jnp.asarray(multiplier).reshape(num_kv_heads, num_heads // num_kv_heads)
   if not isinstance(groups, jax.core.Tracer):  # Concrete values: check them.
-    if not bool(jnp.all(jnp.isfinite(groups))):
-      raise ValueError(f"multipliers must be finite, got {groups.reshape(-1).tolist()}")
+    check_finite_multipliers(groups.reshape(-1), "multipliers")
     if not bool(jnp.all(groups == groups[:, :1])):
       raise ValueError(f"per-head multipliers must agree within each GQA group of "
                        f"{num_heads // num_kv_heads} query heads, got {groups.tolist()}")
