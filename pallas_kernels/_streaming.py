@@ -1,8 +1,8 @@
 """Shared pieces of the warp-specialised PoPE attention kernels (Mosaic GPU, Hopper).
 
-Every kernel has the same skeleton: a CTA holds two resident tiles (one per compute warpgroup)
-and a memory warpgroup streams tiles of the other operand through `stages` SMEM slots with TMA.
-A CTA runs one such pair of tiles (an item) or, persistent, several in turn, as a static
+Every kernel has the same skeleton: a CTA holds two (the forward two or three) resident tiles,
+one per compute warpgroup, and a memory warpgroup streams tiles of the other operand through `stages` SMEM slots with TMA.
+A CTA runs one such group of tiles (an item) or, persistent, several in turn, as a static
 schedule assigns them (`item_schedule`), streaming all of them through one ring of slots.
 Which streamed steps a resident tile visits is precomputed in XLA from the positions (see
 `visit_table`), so causal block skipping is exact for any positions:
@@ -44,20 +44,25 @@ M_INIT = -1e30
 
 
 def visit_table(row_pos: jax.Array, col_pos: jax.Array, row_block: int, col_block: int, *,
-                rows_are_queries: bool) -> jax.Array:
-  """Per pair of resident tiles (an item) the streamed-step ranges of its two warpgroups,
-  [B, R / 2, 2 + 4 * 2] int32.
+                rows_are_queries: bool, wgs: int = COMPUTE_WGS) -> jax.Array:
+  """Per group of `wgs` resident tiles (an item) the streamed-step ranges of its warpgroups,
+  [B, ceil(R / wgs), 2 + 4 * wgs] int32.
 
   Args:
     row_pos: [B, R * row_block] float32 positions of the resident side.
     col_pos: [B, C * col_block] float32 positions of the streamed side.
     row_block, col_block: tile sizes.
     rows_are_queries: resident tiles are queries (forward, dq) or keys (dk/dv).
+    wgs: compute warpgroups per CTA. Where R is not a multiple of it, the last group has
+      tiles past the rows, which visit nothing.
 
   Returns:
-    int32 table; row [u_lo, u_hi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1].
+    int32 table; row [u_lo, u_hi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, ...].
   """
   b = row_pos.shape[0]
+  rows = -(-row_pos.shape[1] // (wgs * row_block)) * wgs * row_block
+  row_pos = jnp.pad(row_pos, ((0, 0), (0, rows - row_pos.shape[1])),
+                    constant_values=QUERY_PAD if rows_are_queries else KEY_PAD)
   r = row_pos.reshape(b, -1, row_block)
   c = col_pos.reshape(b, -1, col_block)
   rmin, rmax = r.min(-1)[:, :, None], r.max(-1)[:, :, None]
@@ -76,7 +81,7 @@ def visit_table(row_pos: jax.Array, col_pos: jax.Array, row_block: int, col_bloc
   flo = jnp.where(all_vis & inside, idx, hi[..., None]).min(-1)
   fhi = jnp.where((idx >= flo[..., None]) & ~all_vis, idx, hi[..., None]).min(-1)
   fhi = jnp.minimum(fhi, hi)
-  pair = lambda x: x.reshape(b, -1, COMPUTE_WGS)
+  pair = lambda x: x.reshape(b, -1, wgs)
   lo, flo, fhi, hi, empty = map(pair, (lo, flo, fhi, hi, empty))
   big = jnp.int32(n_cols + 1)
   u_lo = jnp.where(empty, big, lo).min(-1)
@@ -85,12 +90,12 @@ def visit_table(row_pos: jax.Array, col_pos: jax.Array, row_block: int, col_bloc
   u_lo, u_hi = jnp.where(all_empty, 0, u_lo), jnp.where(all_empty, 0, u_hi)
   fill = lambda x: jnp.where(empty, u_lo[..., None], x)
   lo, flo, fhi, hi = map(fill, (lo, flo, fhi, hi))
-  per_wg = jnp.stack([lo, flo, fhi, hi], axis=-1).reshape(b, -1, 4 * COMPUTE_WGS)
+  per_wg = jnp.stack([lo, flo, fhi, hi], axis=-1).reshape(b, -1, 4 * wgs)
   return jnp.concatenate([u_lo[..., None], u_hi[..., None], per_wg], axis=-1).astype(jnp.int32)
 
 
 def read_ranges(tab_ref, batch, tile, wg):
-  """(u_lo, u_hi, lo, flo, fhi, hi) scalars of a resident tile pair (an item) and warpgroup
+  """(u_lo, u_hi, lo, flo, fhi, hi) scalars of a resident tile group (an item) and warpgroup
   from the visit table."""
   u_lo, u_hi = tab_ref[batch, tile, 0], tab_ref[batch, tile, 1]
   base = 2 + 4 * wg
@@ -141,7 +146,8 @@ def drain(steps, stages: int, consumed) -> None:
   lax.fori_loop(jnp.maximum(steps - stages, 0), steps, wait, None)
 
 
-def memory_warpgroup(for_items, stages: int, consumed, ready, visit, copies):
+def memory_warpgroup(for_items, stages: int, consumed, ready, visit, copies,
+                     registers: int = 40):
   """The TMA warpgroup of every kernel here. For each of the CTA's resident tiles and each
   step s of the tile's visit range (u_lo, u_hi) = `visit(item)`, copies each (gmem source,
   smem buffers) of `copies(item, s)` into the step's slot of one ring (`stream`), reusing a
@@ -152,8 +158,9 @@ def memory_warpgroup(for_items, stages: int, consumed, ready, visit, copies):
     for_items: runs carry = body(item, carry) over the CTA's items (`for_each_item`).
     stages: ring depth; consumed, ready: per-slot barriers.
     visit: item -> (u_lo, u_hi) int32 scalars; copies: (item, s) -> [(gmem ref, smem buffers)].
+    registers: per thread, `warpgroup_registers`' memory share.
   """
-  plgpu.set_max_registers(40, action="decrease")
+  plgpu.set_max_registers(registers, action="decrease")
 
   def item_body(item, base):
     def issue(s, slot):
@@ -173,7 +180,7 @@ def last_tile_first(item, n_heads: int, n_tiles: int):
 
 
 def stream_keys(for_items, tile_of, tab_ref, gmem, smem, group: int, block_kv: int,
-                stages: int, consumed, ready):
+                stages: int, consumed, ready, registers: int = 40):
   """`memory_warpgroup` of the kernels with resident queries (forward, dq): for each item
   (batch, head, tile) = `tile_of(item)`, the steps of its visit range from the visit table
   `tab_ref`, each copying the keys' Cartesian tile, the values and the key positions.
@@ -194,7 +201,14 @@ def stream_keys(for_items, tile_of, tab_ref, gmem, smem, group: int, block_kv: i
     return zip((b_ref.at[batch, cols, kv_head], v_ref.at[batch, cols, kv_head],
                 kpos_ref.at[batch, cols]), smem)
 
-  memory_warpgroup(for_items, stages, consumed, ready, visit, copies)
+  memory_warpgroup(for_items, stages, consumed, ready, visit, copies, registers)
+
+
+def warpgroup_registers(wgs: int) -> tuple[int, int]:
+  """32-bit registers per thread (compute warpgroups, memory warpgroup) of a kernel with `wgs`
+  compute warpgroups, set at their start (`plgpu.set_max_registers`): with 2, 232 and 40; with
+  3, 160 and 32 (FlashAttention-3's split), the 64 K registers of an SM."""
+  return (232, 40) if wgs == 2 else (160, 32)
 
 
 def smem_bytes(scratch) -> int:
@@ -235,6 +249,37 @@ def schedule_barrier(barrier) -> None:
   with jax.named_scope("handshake"):
     plgpu.barrier_arrive(barrier)
     plgpu.barrier_wait(barrier)
+
+
+class RingSchedule:
+  """The ping-pong schedule of `wgs` >= 2 compute warpgroups as a ring (FlashAttention-3, Shah et
+  al. 2024, §3.1, its warp-scheduler barriers): warpgroup i issues its QKᵀ of a step only after
+  warpgroup i - 1 (mod wgs) issued its own, so the tensor cores take the warpgroups' matmuls in
+  turn while the others run their softmaxes. `turns` holds one barrier per warpgroup, one
+  arrival each.
+
+  Every warpgroup takes the same number of turns over a run of ring steps (skipped steps take
+  theirs too): the last warpgroup opens the run (`start`), the first one closes it (`end`),
+  which consumes the last warpgroup's final pass, so each barrier's phases are waited in order.
+  """
+
+  def __init__(self, turns, wg, wgs: int):
+    self.turns, self.wg, self.wgs = turns, wg, wgs
+
+  def wait(self):
+    """Before issuing this step's QKᵀ."""
+    with jax.named_scope("handshake"):
+      plgpu.barrier_wait(self.turns.at[self.wg])
+
+  def pass_on(self):
+    """After issuing it: the next warpgroup's turn."""
+    plgpu.barrier_arrive(self.turns.at[lax.rem(self.wg + 1, self.wgs)])
+
+  def start(self):
+    pl.when(self.wg == self.wgs - 1)(lambda: plgpu.barrier_arrive(self.turns.at[0]))
+
+  def end(self):
+    pl.when(self.wg == 0)(self.wait)
 
 
 def num_sms() -> int:

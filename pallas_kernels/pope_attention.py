@@ -173,7 +173,7 @@ def _forward(q, phase, k, v, angle_pos, q_table, k_trig, q_pos, k_pos, tables, b
   with jax.ensure_compile_time_eval():
     freqs = encodings.pope_frequencies(q.shape[-1], base)                      # [H]
   b = _pad_to(key_map(k, k_trig), v.shape[1], 1)
-  tile_rows = st.COMPUTE_WGS * blocks.block_q
+  tile_rows = blocks.forward_warpgroups * blocks.block_q
   bounded = None
   if bounded_softmax(blocks, q.dtype):
     bounded = bounded_tiles(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), magnitude_scale,
@@ -305,11 +305,12 @@ def _flash_bwd(blocks, base, magnitude_scale, res, d_out):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _resident_blocks(blocks: BlockSizes) -> tuple[tuple[int, int, bool], ...]:
-  """Per kernel (forward, dq, dk/dv): its resident and streamed tile sizes, and whether the
-  resident tiles are queries."""
-  return ((blocks.block_q, blocks.block_kv, True), (blocks.block_q_dq, blocks.block_kv_dq, True),
-          (blocks.block_kv_dkv, blocks.block_q_dkv, False))
+def _resident_blocks(blocks: BlockSizes) -> tuple[tuple[int, int, bool, int], ...]:
+  """Per kernel (forward, dq, dk/dv): its resident and streamed tile sizes, whether the
+  resident tiles are queries, and its compute warpgroups."""
+  return ((blocks.block_q, blocks.block_kv, True, blocks.forward_warpgroups),
+          (blocks.block_q_dq, blocks.block_kv_dq, True, st.COMPUTE_WGS),
+          (blocks.block_kv_dkv, blocks.block_q_dkv, False, st.COMPUTE_WGS))
 
 
 @functools.partial(jax.jit, static_argnames=("batch", "t_len", "s_len", "is_causal", "blocks"))
@@ -335,8 +336,8 @@ def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_le
   kp = _pad_to(k_pos.astype(jnp.float32), s_pad, 1, st.KEY_PAD)
   qp, kp = jax.lax.stop_gradient(qp), jax.lax.stop_gradient(kp)
   visits = tuple(st.visit_table(*((qp, kp) if queries else (kp, qp)), row_block, col_block,
-                                rows_are_queries=queries)
-                 for row_block, col_block, queries in _resident_blocks(blocks))
+                                rows_are_queries=queries, wgs=wgs)
+                 for row_block, col_block, queries, wgs in _resident_blocks(blocks))
   return angle_pos, k_angle_pos, qp, kp, visits
 
 
@@ -398,14 +399,14 @@ def _prepare(q, k, v, delta, positions, *, base, is_causal, blocks):
   vp = _pad_to(_pad_to(v, s_pad, 1), v_pad, 3)
   offset = max(s_len - t_len, 0)
 
-  def schedule(row_block, col_block, rows_are_queries):
+  def schedule(row_block, col_block, rows_are_queries, wgs):
     n_rows = t_pad if rows_are_queries else s_pad
     n_cols = s_pad if rows_are_queries else t_pad
-    tile_rows = st.COMPUTE_WGS * row_block
-    steps = st.causal_steps(n_rows // tile_rows, tile_rows, n_cols, col_block, offset,
+    tile_rows = wgs * row_block
+    n_tiles = -(-n_rows // tile_rows)
+    steps = st.causal_steps(n_tiles, tile_rows, n_cols, col_block, offset,
                             causal=is_causal, rows_are_queries=rows_are_queries)
-    return jnp.asarray(st.launch_schedule(bsz, n_heads, n_rows // tile_rows, steps,
-                                          blocks.persistent,
+    return jnp.asarray(st.launch_schedule(bsz, n_heads, n_tiles, steps, blocks.persistent,
                                           longest_last_tile=rows_are_queries))
 
   tables = tuple((visit, schedule(*kernel))

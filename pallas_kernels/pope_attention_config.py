@@ -16,7 +16,8 @@ MAX_RESCALE_THRESHOLD = 15.0
 class BlockSizes:
   """Tile sizes of the forward, dq and dk/dv kernels.
 
-  Each kernel runs two compute warpgroups per CTA, each owning one resident tile of `block_*`
+  Each kernel runs two compute warpgroups per CTA (the forward two or three,
+  `forward_warpgroups`), each owning one resident tile of `block_*`
   rows at a time (several in turn when `persistent`), and one memory warpgroup that streams the
   other operand through a pipeline of SMEM slots (`stages` in the backward kernels,
   `stages_fwd` in the forward).
@@ -114,6 +115,14 @@ class BlockSizes:
       tiles is a static greedy schedule (`_streaming.item_schedule`). On the H200 (docs/results,
       run 15) 2-7 % faster forward and 1.1-3.4 % faster forward+backward at H = 64 and 128, in
       eight pairs. The CPU interpreter runs one tile per CTA (`_streaming.num_sms`).
+    forward_warpgroups: forward only: compute warpgroups per CTA, 2 or 3, each with its own
+      `block_q` query rows (FlashAttention-3 runs three of 64 rows at head dim 64). With 3,
+      the ping-pong schedule becomes a ring: each warpgroup issues its QKᵀ after the previous
+      one's (`_streaming.RingSchedule`), so two warpgroups' matmuls can run under a third's
+      softmax; the compute warpgroups get 160 registers per thread instead of 232 (`a_in_registers`
+      may then spill). A CTA's last group of query tiles may be partial: its warpgroups past
+      the queries' length visit no keys and store nothing (no extra padding). Not with
+      `overlap` or `bounded_softmax`.
     split_dkv: compute the key-side gradients dk and dv in two launches rather than one
       (`pope_attention_dkv`): the dv launch repeats a bᵀ and the pass over the queries, but at
       head dim 128, where one launch's float32 accumulators (db, D wide, and dv) spill, two
@@ -137,10 +146,11 @@ class BlockSizes:
   bounded_softmax: bool = False
   rescale_threshold: float | None = None
   query_tables: bool = True
+  forward_warpgroups: int = 2
 
   def __post_init__(self):
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",
-                  "block_q_dkv", "stages"):
+                  "block_q_dkv", "stages", "forward_warpgroups"):
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"BlockSizes.{field} must be an int, got {value!r}")
@@ -171,6 +181,14 @@ class BlockSizes:
       raise ValueError("BlockSizes.overlap with ping_pong needs stages_fwd >= 3 (or, with "
                        "stages_fwd None, stages >= 3): a slot is released one step later; got "
                        f"stages_fwd={self.stages_fwd}, stages={self.stages}")
+    if self.forward_warpgroups not in (2, 3):
+      raise ValueError("BlockSizes.forward_warpgroups must be 2 or 3, got "
+                       f"{self.forward_warpgroups}")
+    for field in ("overlap", "bounded_softmax"):
+      if self.forward_warpgroups == 3 and getattr(self, field):
+        raise ValueError(f"BlockSizes.{field} is not built for forward_warpgroups=3: set one "
+                         "of them back (bounded_softmax False, overlap False, or "
+                         "forward_warpgroups 2)")
     for field in ("row_sum_mma", "bounded_softmax"):
       if self.overlap and getattr(self, field):
         raise ValueError(f"BlockSizes.{field} is not built for the overlapped schedule "

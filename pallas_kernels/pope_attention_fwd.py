@@ -126,7 +126,7 @@ def _scratch(blocks: BlockSizes, stages: int, h: int, vd: int, dtype, save_a: bo
              tables: bool) -> list:
   """The forward kernel's SMEM buffers and barriers, in the kernel's argument order (`tables`:
   `use_query_tables`)."""
-  bq, bk, d, wgs = blocks.block_q, blocks.block_kv, 2 * h, st.COMPUTE_WGS
+  bq, bk, d, wgs = blocks.block_q, blocks.block_kv, 2 * h, blocks.forward_warpgroups
   tf = st.tile_transforms()
   scratch = [plgpu.SMEM((wgs, bq, d), dtype, transforms=tf)] if _a_in_smem(
       blocks, h, vd, save_a) else []
@@ -147,7 +147,8 @@ def _scratch(blocks: BlockSizes, stages: int, h: int, vd: int, dtype, save_a: bo
       plgpu.Barrier(num_barriers=wgs),
       st.ready_barrier(stages, 3),
       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=wgs),
+      # the ping-pong handshake of two warpgroups, or the turns of `st.RingSchedule`
+      plgpu.Barrier(num_arrivals=wgs) if wgs == 2 else plgpu.Barrier(num_barriers=wgs),
   ]
   if not _q_in_o(blocks, h, vd):
     scratch.append(plgpu.SMEM((wgs, bq, h), dtype, transforms=st.tile_transforms(h)))
@@ -197,9 +198,10 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
     v: [B, S, K, V] values, same dtype.
     q_pos: [B, T] float32 query positions (padding rows: st.QUERY_PAD).
     k_pos: [B, S] float32 key positions (padding rows: st.KEY_PAD).
-    table: [B, T / (2 block_q), 10] int32 from `st.visit_table`.
+    table: [B, ceil(T / (W block_q)), 2 + 4 W] int32 from `st.visit_table`, W =
+      `blocks.forward_warpgroups`.
     schedule: the CTAs' items, int32 from `st.launch_schedule` (queries resident, tiles of
-      2 block_q rows).
+      W block_q rows).
     bounded: under `bounded_softmax`, [B, N, T / (2 block_q)] int32, 1 where every score of
       the tile is within ±BOUNDED_SCORE_LIMIT (`pope_attention.bounded_tiles`); else None.
     blocks: tile sizes.
@@ -220,8 +222,8 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
   tables = use_query_tables(blocks, h, vd, dtype, save_a)
   if trig.ndim != (4 if tables else 2):
     raise ValueError(f"trig has shape {trig.shape}; use_query_tables is {tables} here")
-  bq, bk = blocks.block_q, blocks.block_kv
-  n_tiles = t_len // (st.COMPUTE_WGS * bq)
+  bq, bk, wgs = blocks.block_q, blocks.block_kv, blocks.forward_warpgroups
+  n_tiles = -(-t_len // (wgs * bq))
   grid = schedule.shape[0]
   q_in_o, a_in_smem = _q_in_o(blocks, h, vd), _a_in_smem(blocks, h, vd, save_a)
 
@@ -235,6 +237,22 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
   #   warpgroup's blocking barrier waits while the others never start; tests/conftest.py turns
   #   that scheduler off (--xla_cpu_enable_concurrency_optimized_scheduler=false).
   ping_pong = blocks.ping_pong and not st.interpreted()
+  registers, memory_registers = st.warpgroup_registers(wgs)
+
+  def query_rows(tile, wg):
+    """(rows, live) of a warpgroup's query tile: with three warpgroups, the tiles of the
+    last group past the queries (which visit no keys, `st.visit_table`) load the last tile's
+    rows and store nothing (live False); with two every tile is live (None)."""
+    start = (tile * wgs + wg) * bq
+    if t_len % (wgs * bq) == 0:
+      return pl.ds(start, bq), None
+    return pl.ds(jnp.minimum(start, t_len - bq), bq), start < t_len
+
+  def when_live(live, fn):
+    if live is None:
+      fn()
+    else:
+      pl.when(live)(fn)
 
   def pope_fwd_kernel(q_ref, rot0_ref, rot1_ref, trig_ref, b_ref, v_ref, qpos_ref, kpos_ref,
                       tab_ref, sched_ref, *rest):
@@ -252,20 +270,30 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
     q_smem = o_smem if q_in_o else rest.pop(0)
     ones_smem = rest.pop(0) if blocks.row_sum_mma else None
     wg = lax.axis_index("wg")
-    handshake = (lambda: st.schedule_barrier(handshake_bar)) if ping_pong else None
+    ring = st.RingSchedule(handshake_bar, wg, wgs) if ping_pong and wgs > 2 else None
+    handshake = ((lambda: st.schedule_barrier(handshake_bar)) if ping_pong and ring is None
+                 else None)
+    # Under ping-pong: what opens and closes a run of ping-pong items, and what follows the
+    # QKᵀ issue (`then`).
+    if ring is not None:
+      run_start, run_end, after_qk = ring.start, ring.end, ring.pass_on
+    else:
+      run_start = lambda: pl.when(wg == 1)(handshake)
+      run_end = lambda: pl.when(wg == 0)(handshake)
+      after_qk = handshake
 
     tile_of = lambda item: st.last_tile_first(item, n_heads, n_tiles)
 
-    @pl.when(wg < st.COMPUTE_WGS)
+    @pl.when(wg < wgs)
     def _compute():
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(registers, action="increase")
       item_of, count = st.cta_items(sched_ref)
 
       def load_queries(item):
         """Issues the copies of this warpgroup's query rows of an item: raw queries, the
         angles (`rot` and `trig`; to q_bar), and the masking positions (to qpos_bar)."""
         batch, head, tile = tile_of(item)
-        rows = pl.ds((tile * st.COMPUTE_WGS + wg) * bq, bq)
+        rows, _ = query_rows(tile, wg)
         plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[wg], q_bar.at[wg])
         for i, ref in enumerate((rot0_ref, rot1_ref)):
           plgpu.copy_gmem_to_smem(ref if rot[i].ndim == 1 else ref.at[head],
@@ -292,19 +320,21 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
         batch, head, tile = tile_of(item_of(jnp.clip(j, 0, count - 1)))
         return bnd_ref[batch, head, tile] != 0
 
-      # Under ping-pong, each step of an online-softmax item makes two handshakes (after issuing
-      # its matmuls, after the softmax; the overlapped schedule's `last` makes none). Over each
-      # run of consecutive such items, warpgroup 1 makes one more before the run's first step
-      # and warpgroup 0 one more after its last, so they alternate, also across the run's
-      # items. Bounded items (`bounded_softmax`; both warpgroups see the same tile's flag) make
-      # none: their softmax is short enough that the warpgroups run side by side.
+      # Under ping-pong with two warpgroups, each step of an online-softmax item makes two
+      # handshakes (after issuing its matmuls, after the softmax; the overlapped schedule's
+      # `last` makes none). Over each run of consecutive such items, warpgroup 1 makes one
+      # more before the run's first step and warpgroup 0 one more after its last, so they
+      # alternate, also across the run's items. With three, each step takes one turn of the
+      # ring (`st.RingSchedule`, which opens and closes the runs likewise). Bounded items
+      # (`bounded_softmax`, two warpgroups; all see the same tile's flag) make none: their
+      # softmax is short enough that the warpgroups run side by side.
       def item_body(j, base):
         item = item_of(j)
         batch, head, tile = tile_of(item)
-        rows = pl.ds((tile * st.COMPUTE_WGS + wg) * bq, bq)
+        rows, live = query_rows(tile, wg)
         bounded_item = is_bounded(j)
         if ping_pong:  # the start of a run of ping-pong items
-          pl.when((wg == 1) & ~bounded_item & ((j == 0) | is_bounded(j - 1)))(handshake)
+          pl.when(~bounded_item & ((j == 0) | is_bounded(j - 1)))(run_start)
         if q_in_o:  # The previous item's output store must have read the tile first.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           load_queries(item)
@@ -334,14 +364,16 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
         if not q_in_o:
           pl.when(j + 1 < count)(lambda: load_queries(item_of(j + 1)))
         if save_a and a_smem is not None:
-          plgpu.copy_smem_to_gmem(a_smem.at[wg], a_ref.at[batch, rows, head])
+          when_live(live, lambda: plgpu.copy_smem_to_gmem(a_smem.at[wg],
+                                                          a_ref.at[batch, rows, head]))
         elif save_a:  # Each half through the output tile's SMEM (free until the final store,
           # which waits for the second half's copy to have read it).
           for i, half in enumerate(halves):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             o_smem.at[wg][...] = half
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], a_ref.at[batch, rows, head, pl.ds(i * h, h)])
+            when_live(live, lambda i=i: plgpu.copy_smem_to_gmem(
+                o_smem.at[wg], a_ref.at[batch, rows, head, pl.ds(i * h, h)]))
         # QKᵀ's left operand: a in registers (only b is then read from SMEM) or a's SMEM tile.
         a_lhs = a if blocks.a_in_registers else a_smem.at[wg]
         ranges = st.read_ranges(tab_ref, batch, tile, wg)
@@ -418,7 +450,10 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
 
         def skip(s, carry, pp=ping_pong):
           plgpu.barrier_arrive(consumed.at[wait_step(s)])
-          if pp:
+          if pp and ring is not None:
+            ring.wait()
+            ring.pass_on()
+          elif pp:
             handshake()
             handshake()
           return carry
@@ -431,12 +466,14 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
             return skip(s, carry, pp)
           acc, m_i, l_i = carry
           slot = wait_step(s)
+          if pp and ring is not None:
+            ring.wait()
           with jax.named_scope("qk"):
-            s_blk = st.matmul(*scores(slot), then=handshake if pp else None)
+            s_blk = st.matmul(*scores(slot), then=after_qk if pp else None)
           m_i, l_i, p, alpha = softmax(s_blk, m_i, l_i, slot, mode, bounded=bounded)
           if alpha is not None:
             acc, l_i = rescale(acc, l_i, alpha)
-          acc, m_i, l_i, p = hand_over(acc, m_i, l_i, p, pp=pp)
+          acc, m_i, l_i, p = hand_over(acc, m_i, l_i, p, pp=pp and ring is None)
           with jax.named_scope("pv"):
             acc, l_i = pv(acc, l_i, p, slot)
           plgpu.barrier_arrive(consumed.at[slot])
@@ -513,19 +550,23 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
           lse_smem.at[wg][...] = jnp.where(empty, 1e30,
                                            m_i + jnp.log(l_safe) * (1 / math.log(2)))
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[batch, rows, head])
-          plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, rows])
+
+          def store():
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[batch, rows, head])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, rows])
+          when_live(live, store)
         if ping_pong:  # the end of a run of ping-pong items
-          pl.when((wg == 0) & ~bounded_item & ((j == count - 1) | is_bounded(j + 1)))(handshake)
+          pl.when(~bounded_item & ((j == count - 1) | is_bounded(j + 1)))(run_end)
         return base + ranges[1] - ranges[0]
 
       lax.fori_loop(0, count, item_body, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == st.COMPUTE_WGS)
+    @pl.when(wg == wgs)
     def _memory():
       st.stream_keys(st.for_each_item(sched_ref), tile_of, tab_ref, (b_ref, v_ref, kpos_ref),
-                     (b_smem, v_smem, kpos_smem), group, bk, stages, consumed, ready)
+                     (b_smem, v_smem, kpos_smem), group, bk, stages, consumed, ready,
+                     memory_registers)
 
   scratch = _scratch(blocks, stages, h, vd, dtype, save_a, tables)
   st.check_smem(scratch, "forward", f"at {stages} stages (BlockSizes.stages_fwd="
@@ -542,7 +583,7 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
       scratch_types=scratch,
       grid=(grid,),
       grid_names=("cta",),
-      num_threads=st.COMPUTE_WGS + 1,
+      num_threads=wgs + 1,
       thread_name="wg",
       compiler_params=st.compiler_params(),
   )(q, *rot, trig, b, v, q_pos, k_pos, table, schedule, *([] if bounded is None else [bounded]))

@@ -500,6 +500,7 @@ def test_item_schedule_balances_causal_tiles(monkeypatch):
     (BlockSizes(block_kv=64, row_sum_mma=True), True),
     (BlockSizes(block_kv=128, row_sum_mma=True, a_in_registers=False), False),
     (BlockSizes(block_kv=64, query_tables=False), True),
+    (BlockSizes(block_kv=64, forward_warpgroups=3), True),
 ])
 def test_forward_schedules(blocks, is_causal):
   # Several key steps per query tile (block_kv 64): skipped, masked and full ranges (for the
@@ -603,6 +604,13 @@ def test_block_sizes_validate():
   with pytest.raises(ValueError, match="bounded_softmax"):
     BlockSizes(overlap=True, stages_fwd=3, bounded_softmax=True)
   assert default_block_sizes(64).seq_multiple == 128
+  for bad in (1, 4):
+    with pytest.raises(ValueError, match="forward_warpgroups"):
+      BlockSizes(forward_warpgroups=bad)
+  with pytest.raises(ValueError, match="forward_warpgroups=3"):
+    BlockSizes(forward_warpgroups=3, bounded_softmax=True)
+  with pytest.raises(ValueError, match="forward_warpgroups=3"):
+    BlockSizes(forward_warpgroups=3, overlap=True, stages=3)
   for bad in (-1.0, 15.5, float("nan"), True):
     with pytest.raises(ValueError, match="rescale_threshold"):
       BlockSizes(rescale_threshold=bad)
