@@ -6,7 +6,8 @@
 
 Uses the PoPE model of `experiments.language_model` in the same --out (trained first if missing)
 and held-out windows of the validation split (`pope_jax.analysis.score_bounds`). Per layer: the
-share of query tiles (windows x heads x 128-row tiles) whose bound on |score| is within the
+share of query tiles (windows x heads x the forward kernel's query tiles, 192 rows at head
+dims <= 64 and 128 above) whose bound on |score| is within the
 kernel's limit (those take `BlockSizes(bounded_softmax=True)`'s softmax without a running max),
 the median and largest bound, and the largest |score| itself (how loose the bound is), all in
 log2 units. Outputs: OUT/score_bounds.json, OUT/score_bounds.md, OUT/score_bounds.png (per layer:
@@ -35,6 +36,7 @@ def run(lm_preset: lm.Preset, out: Path, *, max_windows: int, resume: bool, prog
                                   data_dir=data_dir, splits=splits)
   result = analysis.score_bounds(cfg, params, batches())
   bound, max_score, limit = result["bound"], result["max_score"], result["limit"]
+  tile_rows = result["tile_rows"]
   rows = [[i, f"{100 * np.mean(bound[i] <= limit):.1f}", f"{np.median(bound[i]):.1f}",
            f"{bound[i].max():.1f}", f"{max_score[i].max():.1f}"] for i in range(len(bound))]
   table = common.markdown_table(
@@ -46,14 +48,15 @@ def run(lm_preset: lm.Preset, out: Path, *, max_windows: int, resume: bool, prog
   (out / "score_bounds.md").write_text(
       "# PoPE score bounds of a trained model\n\n"
       f"{n} validation windows of {lm_preset.seq_len} tokens, {bound.shape[1]} query tiles "
-      f"(windows x heads x 128-row tiles) per layer. Bounds and scores in log2 units; a tile is "
+      f"(windows x heads x {tile_rows}-row tiles) per layer. Bounds and scores in log2 units; a tile is "
       f"bounded when its bound is at most {limit:g}. Bounded overall: {100 * overall:.1f} %."
       f"{note}\n\n" + table)
   record = {"bounded_share": overall,
             "per_layer": [{"bounded_share": float(np.mean(b <= limit)),
                            "bound_median": float(np.median(b)), "bound_max": float(b.max()),
                            "max_score": float(m.max())} for b, m in zip(bound, max_score)],
-            "limit": limit, "windows": n, "seq_len": lm_preset.seq_len,
+            "limit": limit, "tile_rows": tile_rows, "windows": n,
+            "seq_len": lm_preset.seq_len,
             "config": {"lm_preset": lm_preset},
             "metadata": common.run_metadata(lm_preset.train.seed)}
   common.write_json(out / "score_bounds.json", record)

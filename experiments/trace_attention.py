@@ -33,17 +33,19 @@ from pathlib import Path
 
 from pallas_kernels import _streaming
 
-# The traces of one CTA: its compute warpgroups, then the memory (TMA) warpgroup.
-ROLES = ("compute",) * _streaming.COMPUTE_WGS + ("memory",)
-TRACES_PER_CTA = len(ROLES)
+def roles(compute_wgs: int) -> tuple[str, ...]:
+  """The traces of one CTA: its compute warpgroups, then the memory (TMA) warpgroup."""
+  return ("compute",) * compute_wgs + ("memory",)
 
 
-def summarize(trace: dict) -> dict:
+def summarize(trace: dict, compute_wgs: int = _streaming.COMPUTE_WGS) -> dict:
   """Per role and scope: count, mean length (kcycles) and share of the warpgroups' time.
 
   Args:
     trace: a Mosaic GPU profiler trace (Chrome trace JSON: events with name, ph "B"/"E", ts
       whose differences are thousands of SM cycles, tid = 1 + trace index).
+    compute_wgs: the traced kernel's compute warpgroups per CTA (the forward's
+      `BlockSizes.forward_warpgroups`).
 
   Returns:
     {"roles": {role: {"warpgroups", "time_kcycles", "scopes": {name: {"count",
@@ -57,12 +59,13 @@ def summarize(trace: dict) -> dict:
     by_tid[event["tid"]].append(event)
   if not by_tid:
     raise ValueError("the trace has no events")
-  totals = {role: collections.defaultdict(lambda: [0, 0.0]) for role in set(ROLES)}
+  cta_roles = roles(compute_wgs)
+  totals = {role: collections.defaultdict(lambda: [0, 0.0]) for role in set(cta_roles)}
   time_k = collections.Counter()
   top_level_k = collections.Counter()
   warpgroups = collections.Counter()
   for tid, events in by_tid.items():
-    role = ROLES[(tid - 1) % TRACES_PER_CTA]
+    role = cta_roles[(tid - 1) % len(cta_roles)]
     events.sort(key=lambda e: e["ts"])
     stack = []
     for event in events:
@@ -80,10 +83,10 @@ def summarize(trace: dict) -> dict:
         top_level_k[role] += length
     time_k[role] += events[-1]["ts"] - events[0]["ts"]
     warpgroups[role] += 1
-  roles = {}
+  by_role = {}
   for role, scopes in totals.items():
     span = time_k[role]
-    roles[role] = {
+    by_role[role] = {
         "warpgroups": warpgroups[role],
         "time_kcycles": span,
         "scopes": {name: {"count": n, "mean_kcycles": total / n,
@@ -91,7 +94,7 @@ def summarize(trace: dict) -> dict:
                    for name, (n, total) in sorted(scopes.items(), key=lambda kv: -kv[1][1])},
         "outside_scopes_share": 1.0 - top_level_k[role] / span if span else 0.0,
     }
-  return {"roles": roles}
+  return {"roles": by_role}
 
 
 def format_summary(summary: dict) -> str:
@@ -139,6 +142,7 @@ def main():
   os.environ[_streaming.PROFILE_DIR_ENV] = str(raw.resolve())  # read when the kernel compiles
   import jax
   from experiments import bench_attention
+  from pallas_kernels.pope_attention_config import default_block_sizes
   from pallas_kernels.shapes import SHAPES
 
   shape = dataclasses.replace(SHAPES[f"bench_h{args.head_dim}"], batch=args.batch)
@@ -149,14 +153,15 @@ def main():
     raise RuntimeError(f"the kernel wrote no trace into {raw} (is this a GPU?)")
   with open(new[-1]) as f:
     trace = json.load(f)
+  wgs = default_block_sizes(args.head_dim).forward_warpgroups
   summary = {"shape": dataclasses.asdict(shape), "trace": os.path.basename(new[-1]),
-             **summarize(trace)}
+             **summarize(trace, wgs)}
   text = format_summary(summary)
   print(text)
   (out / "summary.txt").write_text(text + "\n")
   (out / "summary.json").write_text(json.dumps(summary, indent=1))
   plot_summary(summary, out / "shares.png")
-  head = [e for e in trace["traceEvents"] if e["tid"] <= 30 * TRACES_PER_CTA]
+  head = [e for e in trace["traceEvents"] if e["tid"] <= 30 * len(roles(wgs))]
   (out / "trace_head.json").write_text(json.dumps({"displayTimeUnit": "ns",
                                                    "traceEvents": head}))
 

@@ -43,7 +43,7 @@ from pallas_kernels.pope_attention_bwd import pope_attention_dkv, pope_attention
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
 from pallas_kernels.pope_attention_fwd import (BOUNDED_SCORE_LIMIT, TABLE_DTYPE,
                                                bounded_softmax, pope_attention_fwd,
-                                               use_query_tables)
+                                               use_query_tables, with_forward_warpgroups)
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
@@ -134,10 +134,10 @@ def tile_score_bound(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
   the norms without a transcendental per element (two reductions over q and k, at memory speed).
 
   Args:
-    q: [B, T, N, H] raw queries, T a multiple of tile_rows; k: [B, S, K, H] raw keys, N a
-      multiple of K (query head n reads kv head n // (N / K)).
+    q: [B, T, N, H] raw queries; k: [B, S, K, H] raw keys, N a multiple of K (query head n
+      reads kv head n // (N / K)).
     magnitude_scale: the factor of the scores (for the kernel, the logit scale times log2 e).
-    tile_rows: query rows per tile.
+    tile_rows: query rows per tile; the last tile may hold fewer than tile_rows.
   """
   bsz, t_len, n_heads, _ = q.shape
   kv_heads = k.shape[2]
@@ -145,19 +145,28 @@ def tile_score_bound(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
   def norm_bound(x):  # >= |softplus(x)| over the last axis, float32
     return jnp.sqrt(jnp.square(jnp.maximum(x.astype(jnp.float32), 0.0) + math.log(2)).sum(-1))
 
-  q_norm = norm_bound(q).reshape(bsz, t_len // tile_rows, tile_rows, n_heads).max(2)  # [B,R,N]
+  q_norm = _pad_to(norm_bound(q), -(-t_len // tile_rows) * tile_rows, 1)            # [B, T', N]
+  q_norm = q_norm.reshape(bsz, -1, tile_rows, n_heads).max(2)                       # [B, R, N]
   k_norm = jnp.repeat(norm_bound(k).max(1), n_heads // kv_heads, axis=1)              # [B, N]
   return (q_norm * k_norm[:, None, :] * abs(magnitude_scale)).transpose(0, 2, 1)
 
 
+def forward_tile_rows(blocks: BlockSizes, head_dim: int, value_dim: int, dtype) -> int:
+  """Query rows per CTA of the forward kernel (its resident tile group, the unit of
+  `bounded_tiles`): `block_q` times the compute warpgroups (`with_forward_warpgroups`; 192 at
+  the default blocks of H <= 64 where three fit, else 128)."""
+  blocks = with_forward_warpgroups(blocks, head_dim, -(-value_dim // 64) * 64, dtype)
+  return blocks.forward_warpgroups * blocks.block_q
+
+
 def bounded_tiles(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
   """Which resident query tiles of the forward have every score within
-  ±`pope_attention_fwd.BOUNDED_SCORE_LIMIT`, [B, N, T / tile_rows] int32 (1 = bounded): those
-  whose `tile_score_bound` (log2 units) is at most the limit. Such tiles take the softmax
+  ±`pope_attention_fwd.BOUNDED_SCORE_LIMIT`, [B, N, ceil(T / tile_rows)] int32 (1 = bounded):
+  those whose `tile_score_bound` (log2 units) is at most the limit. Such tiles take the softmax
   without a running max (`BlockSizes.bounded_softmax`).
 
   Args:
-    q: [B, T, N, H] raw queries, T a multiple of tile_rows; k: [B, S, K, H] raw keys.
+    q: [B, T, N, H] raw queries; k: [B, S, K, H] raw keys.
     magnitude_scale: the factor of the scores (logit scale times log2 e: log2 units).
     tile_rows: query rows per tile.
   """
@@ -173,7 +182,7 @@ def _forward(q, phase, k, v, angle_pos, q_table, k_trig, q_pos, k_pos, tables, b
   with jax.ensure_compile_time_eval():
     freqs = encodings.pope_frequencies(q.shape[-1], base)                      # [H]
   b = _pad_to(key_map(k, k_trig), v.shape[1], 1)
-  tile_rows = blocks.forward_warpgroups * blocks.block_q
+  tile_rows = forward_tile_rows(blocks, q.shape[-1], v.shape[-1], q.dtype)
   bounded = None
   if bounded_softmax(blocks, q.dtype):
     bounded = bounded_tiles(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), magnitude_scale,
@@ -483,7 +492,8 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
   _check(q, k, v, delta)
   _check_platform()
   h = q.shape[-1]
-  blocks = default_block_sizes(h) if block_sizes is None else block_sizes
+  blocks = with_forward_warpgroups(default_block_sizes(h) if block_sizes is None
+                                   else block_sizes, h, -(-v.shape[-1] // 64) * 64, q.dtype)
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   s_len, t_len = k.shape[1], q.shape[1]
   default_q, default_k = attention.default_positions(t_len, s_len)

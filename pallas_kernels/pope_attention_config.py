@@ -33,8 +33,9 @@ class BlockSizes:
       forward has room for a deeper pipeline than the backward kernels, whose resident tiles
       are larger.
     ping_pong: forward only: the two compute warpgroups take turns on the tensor cores, one's
-      softmax overlapping the other's matmuls (FlashAttention-3 §3.1). On by default here;
-      `default_block_sizes` turns it off at head dim 128. As compiled (ptxas 13.5), the
+      softmax overlapping the other's matmuls (FlashAttention-3 §3.1); with three
+      (`forward_warpgroups`), a ring of turns. On by default here; `default_block_sizes` turns
+      it off at head dim 128. As compiled (ptxas 13.5), the
       handshake after the softmax arrives at its start, so the schedule orders the QKᵀ issues
       and the softmaxes may overlap (docs/results, run 12).
     overlap: forward only: each compute warpgroup issues the QKᵀ of step s together with the
@@ -115,14 +116,23 @@ class BlockSizes:
       tiles is a static greedy schedule (`_streaming.item_schedule`). On the H200 (docs/results,
       run 15) 2-7 % faster forward and 1.1-3.4 % faster forward+backward at H = 64 and 128, in
       eight pairs. The CPU interpreter runs one tile per CTA (`_streaming.num_sms`).
-    forward_warpgroups: forward only: compute warpgroups per CTA, 2 or 3, each with its own
-      `block_q` query rows (FlashAttention-3 runs three of 64 rows at head dim 64). With 3,
-      the ping-pong schedule becomes a ring: each warpgroup issues its QKᵀ after the previous
-      one's (`_streaming.RingSchedule`), so two warpgroups' matmuls can run under a third's
-      softmax; the compute warpgroups get 160 registers per thread instead of 232 (`a_in_registers`
-      may then spill). A CTA's last group of query tiles may be partial: its warpgroups past
-      the queries' length visit no keys and store nothing (no extra padding). Not with
-      `overlap` or `bounded_softmax`.
+    forward_warpgroups: forward only: compute warpgroups per CTA, 2, 3, or None: 3 where their
+      buffers fit in SMEM at two stages with a saved for the backward (not with `overlap`),
+      else 2 (`pope_attention_fwd.with_forward_warpgroups`, at the call's shapes; at H = 64,
+      3 with V = 64, 2 with V = 128). Each warpgroup has its own
+      `block_q` query rows (FlashAttention-3 runs three of 64 rows at head dim 64): with three,
+      two warpgroups' matmuls can run while a third computes its softmax, which bounds the
+      forward at H = 64 (docs/results, run 12). With 3 the compute warpgroups get 160 registers
+      per thread instead of 232 (ptxas spills 40-52 bytes at H = 64 with `a_in_registers`),
+      the pipeline keeps two stages at H = 64 (three do not fit in SMEM), and `ping_pong`
+      becomes a ring: each warpgroup issues its QKᵀ after the previous one's
+      (`_streaming.RingSchedule`). A CTA's last group of query tiles may be partial: its
+      warpgroups past the queries' length visit no keys and store nothing (no extra padding).
+      Not with `overlap`. On the H200 (docs/results, run 29) three
+      warpgroups made the H = 64 forward 6.6-7.6 % faster than two with ping-pong, in three
+      rounds on one machine, with the ring or without it (within 0.8 % of each other);
+      `default_block_sizes` sets None (with the ring) at head dim <= 64 and 2 at 128, where
+      the a tile alone would take 64 of the 160 registers.
     split_dkv: compute the key-side gradients dk and dv in two launches rather than one
       (`pope_attention_dkv`): the dv launch repeats a bᵀ and the pass over the queries, but at
       head dim 128, where one launch's float32 accumulators (db, D wide, and dv) spill, two
@@ -146,12 +156,14 @@ class BlockSizes:
   bounded_softmax: bool = False
   rescale_threshold: float | None = None
   query_tables: bool = True
-  forward_warpgroups: int = 2
+  forward_warpgroups: int | None = 2
 
   def __post_init__(self):
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",
                   "block_q_dkv", "stages", "forward_warpgroups"):
       value = getattr(self, field)
+      if field == "forward_warpgroups" and value is None:
+        continue
       if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"BlockSizes.{field} must be an int, got {value!r}")
     for field in ("ping_pong", "overlap", "a_in_registers", "overlap_bwd", "split_dkv",
@@ -181,14 +193,12 @@ class BlockSizes:
       raise ValueError("BlockSizes.overlap with ping_pong needs stages_fwd >= 3 (or, with "
                        "stages_fwd None, stages >= 3): a slot is released one step later; got "
                        f"stages_fwd={self.stages_fwd}, stages={self.stages}")
-    if self.forward_warpgroups not in (2, 3):
-      raise ValueError("BlockSizes.forward_warpgroups must be 2 or 3, got "
+    if self.forward_warpgroups not in (None, 2, 3):
+      raise ValueError("BlockSizes.forward_warpgroups must be 2, 3 or None, got "
                        f"{self.forward_warpgroups}")
-    for field in ("overlap", "bounded_softmax"):
-      if self.forward_warpgroups == 3 and getattr(self, field):
-        raise ValueError(f"BlockSizes.{field} is not built for forward_warpgroups=3: set one "
-                         "of them back (bounded_softmax False, overlap False, or "
-                         "forward_warpgroups 2)")
+    if self.forward_warpgroups == 3 and self.overlap:
+      raise ValueError("BlockSizes.overlap is not built for forward_warpgroups=3 (the default "
+                       "at head dim <= 64): set forward_warpgroups=2 or overlap=False")
     for field in ("row_sum_mma", "bounded_softmax"):
       if self.overlap and getattr(self, field):
         raise ValueError(f"BlockSizes.{field} is not built for the overlapped schedule "
@@ -216,8 +226,9 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
   """Heuristic default for PoPE head dim H (q/k tiles are 2H wide; SMEM and registers bound).
 
   Measured on the H200 (docs/results/attention_kernel.md): at H <= 64 the best of four block
-  shapes, with the ping-pong forward (6 % faster there, across runs); at H = 128 ping-pong made no
-  difference beyond run-to-run noise (-4 % and +0.4 % in two runs), so the plain schedule stays.
+  shapes, with the ping-pong forward (6 % faster there with two warpgroups, runs 3-6; a ring
+  with three); at H = 128 ping-pong made no difference beyond
+  run-to-run noise (-4 % and +0.4 % in two runs), so the plain schedule stays.
   At both, the forward keeps a in registers and takes three stages where they fit (run 13;
   not at H = 128 when V != H and a is saved, nor at H = 64 with V > 64); the backward kernels
   keep two (at H = 128 three do not fit). At H = 128 the backward steps run in
@@ -228,11 +239,14 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
   noise at H = 64; run 16). `bounded_softmax` stays off: it pays only where the magnitudes
   bound every score (run 17: 3.6-7.9 % faster forward then, 6.8 % slower where no tile is
   bounded), and a trained 12-layer PoPE language model had 43.8 % of its tiles bounded (run 18).
-  At H <= 64 the forward maps the queries from cos and sin tables (`query_tables`, run 21).
+  At H <= 64 the forward maps the queries from cos and sin tables (`query_tables`, run 21), and
+  runs three compute warpgroups where they fit (`forward_warpgroups` None, run 29: 6.6-7.6 %
+  faster forward at H = 64 than two; H = 32 was checked on the GPU, not timed).
   At H = 128 the forward rescales its accumulator conditionally (`rescale_threshold` 8, runs 26
   and 27; at H = 64 that was slower).
   """
   if head_dim <= 64:
-    return BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128, stages=2)
+    return BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128, stages=2,
+                      forward_warpgroups=None)
   return BlockSizes(block_q=64, block_kv=64, stages=2, ping_pong=False, overlap_bwd=True,
                     split_dkv=True, row_sum_mma=True, query_tables=False, rescale_threshold=8.0)

@@ -13,6 +13,7 @@ H head dim, D = 2H width of the Cartesian a and b, V value width (a multiple of 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -158,6 +159,25 @@ def _scratch(blocks: BlockSizes, stages: int, h: int, vd: int, dtype, save_a: bo
   return scratch
 
 
+def with_forward_warpgroups(blocks: BlockSizes, h: int, vd: int, dtype) -> BlockSizes:
+  """`blocks` with `forward_warpgroups` decided: None becomes 3 where three warpgroups'
+  buffers fit in SMEM at two stages with a saved for the backward, without the query tables
+  (`st.smem_bytes` against `st.smem_limit`; not with `overlap`), else 2. One answer for the
+  forward of inference and of training, whose visit tables it shapes.
+
+  Args:
+    blocks: tile sizes; h: PoPE head dim H; vd: value width V (padded to a multiple of 64);
+    dtype: q's dtype.
+  """
+  if blocks.forward_warpgroups is not None:
+    return blocks
+  if not blocks.overlap:
+    three = dataclasses.replace(blocks, forward_warpgroups=3)
+    if st.smem_bytes(_scratch(three, 2, h, vd, dtype, True, False)) <= st.smem_limit():
+      return three
+  return dataclasses.replace(blocks, forward_warpgroups=2)
+
+
 def forward_stages(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool) -> int:
   """The forward's pipeline depth: `blocks.stages_fwd`, or if that is None max(3, stages)
   where its buffers fit in SMEM (`st.smem_bytes` against `st.smem_limit`), else `stages`.
@@ -168,6 +188,7 @@ def forward_stages(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool) -> 
   """
   if blocks.stages_fwd is not None:
     return blocks.stages_fwd
+  blocks = with_forward_warpgroups(blocks, h, vd, dtype)
   deep = max(3, blocks.stages)
   fits = st.smem_bytes(_scratch(blocks, deep, h, vd, dtype, save_a, False)) <= st.smem_limit()
   return deep if fits else blocks.stages
@@ -177,6 +198,7 @@ def use_query_tables(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool) -
   """Whether the forward maps the queries from cos and sin tables: `blocks.query_tables`,
   where the tables' SMEM tiles fit beside the `forward_stages` pipeline (they never cost a
   stage; e.g. not at H = 64 with V = 128). Arguments as `forward_stages`."""
+  blocks = with_forward_warpgroups(blocks, h, vd, dtype)
   stages = forward_stages(blocks, h, vd, dtype, save_a)
   return blocks.query_tables and (
       st.smem_bytes(_scratch(blocks, stages, h, vd, dtype, save_a, True)) <= st.smem_limit())
@@ -202,7 +224,7 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
       `blocks.forward_warpgroups`.
     schedule: the CTAs' items, int32 from `st.launch_schedule` (queries resident, tiles of
       W block_q rows).
-    bounded: under `bounded_softmax`, [B, N, T / (2 block_q)] int32, 1 where every score of
+    bounded: under `bounded_softmax`, [B, N, ceil(T / (W block_q))] int32, 1 where every score of
       the tile is within ±BOUNDED_SCORE_LIMIT (`pope_attention.bounded_tiles`); else None.
     blocks: tile sizes.
     magnitude_scale: factor of the query magnitudes (the logit scale times log2 e).
@@ -326,7 +348,7 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
       # more before the run's first step and warpgroup 0 one more after its last, so they
       # alternate, also across the run's items. With three, each step takes one turn of the
       # ring (`st.RingSchedule`, which opens and closes the runs likewise). Bounded items
-      # (`bounded_softmax`, two warpgroups; all see the same tile's flag) make none: their
+      # (`bounded_softmax`; all warpgroups see the same tile's flag) make none: their
       # softmax is short enough that the warpgroups run side by side.
       def item_body(j, base):
         item = item_of(j)

@@ -136,8 +136,9 @@ def score_bounds(config: ModelConfig, params: Any,
                  batches: Iterable[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
   """How often the fused PoPE kernel's magnitude bound lets a query tile skip the running max.
 
-  For each layer, every window of `batches`, every head and every 128-row query tile of the
-  window (zero-padded as the kernel pads it): the kernel's bound on the tile's scores
+  For each layer, every window of `batches`, every head and every query tile of the window
+  (the forward kernel's, `pallas_kernels.pope_attention.forward_tile_rows` at the default
+  blocks: 192 rows at head dims <= 64, else 128; the last one zero-padded): the kernel's bound on the tile's scores
   (`pallas_kernels.pope_attention.tile_score_bound`, Cauchy-Schwarz on PoPE's Cartesian vectors)
   beside the largest |score| it bounds, both in log2 units at the logit scale 1/sqrt(H) (the
   kernel's units). The largest score is over every key of the window, causal or not, as the
@@ -154,21 +155,20 @@ def score_bounds(config: ModelConfig, params: Any,
 
   Returns:
     {"bound": [L, M], "max_score": [L, M]} float32 numpy arrays over the M tiles of all windows,
-    heads and 128-row tiles, and "limit": the kernel's limit.
+    heads and tiles, "limit": the kernel's limit, and "tile_rows": the tiles' rows.
 
   Raises:
     ValueError: a config whose pos_encoding is not "pope", inputs not of shape [B, T] with
       B, T > 0, or no batch.
   """
   from pallas_kernels import pope_attention as kernel
-  from pallas_kernels._streaming import COMPUTE_WGS
   from pallas_kernels.pope_attention_config import default_block_sizes
 
   if config.pos_encoding != "pope":
     raise ValueError(f"score_bounds needs pos_encoding 'pope', got {config.pos_encoding!r}")
   config = dataclasses.replace(config, attention_implementation="xla")
   h = config.head_size
-  tile_rows = COMPUTE_WGS * default_block_sizes(h).block_q
+  tile_rows = kernel.forward_tile_rows(default_block_sizes(h), h, h, jnp.bfloat16)
   log2_scale = 1.0 / (math.sqrt(h) * math.log(2))
 
   @jax.jit
@@ -202,7 +202,7 @@ def score_bounds(config: ModelConfig, params: Any,
   if not bounds:
     raise ValueError("score_bounds got no batch")
   return {"bound": np.concatenate(bounds, 1), "max_score": np.concatenate(maxima, 1),
-          "limit": kernel.BOUNDED_SCORE_LIMIT}
+          "limit": kernel.BOUNDED_SCORE_LIMIT, "tile_rows": tile_rows}
 
 
 def attention_score_bytes(config: ModelConfig, batch_size: int, length: int) -> int:

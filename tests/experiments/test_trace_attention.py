@@ -31,6 +31,9 @@ def test_summary_counts_shares_and_nesting(tmp_path):
   assert "wait_release" in trace_attention.format_summary(summary)
   trace_attention.plot_summary(summary, tmp_path / "shares.png")
   assert (tmp_path / "shares.png").read_bytes()[:4] == b"\x89PNG"
+  # With three compute warpgroups per CTA, tid 3 is a compute warpgroup's trace.
+  three = trace_attention.summarize({"traceEvents": events}, compute_wgs=3)["roles"]
+  assert three["compute"]["warpgroups"] == 2 and three["memory"]["warpgroups"] == 0
 
 
 def test_summary_rejects_unbalanced_traces():

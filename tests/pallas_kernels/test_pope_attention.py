@@ -24,7 +24,7 @@ from pallas_kernels.pope_attention_bwd import cartesian_vjp, pope_attention_dkv
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
 from pallas_kernels.pope_attention_fwd import (TABLE_DTYPE, cartesian_halves,
                                                cartesian_halves_from_tables, forward_stages,
-                                               use_query_tables)
+                                               use_query_tables, with_forward_warpgroups)
 from pope_jax import attention, encodings
 
 # The Mosaic GPU interpreter sometimes deadlocks on a 2-core machine (its warpgroups run as
@@ -608,8 +608,6 @@ def test_block_sizes_validate():
     with pytest.raises(ValueError, match="forward_warpgroups"):
       BlockSizes(forward_warpgroups=bad)
   with pytest.raises(ValueError, match="forward_warpgroups=3"):
-    BlockSizes(forward_warpgroups=3, bounded_softmax=True)
-  with pytest.raises(ValueError, match="forward_warpgroups=3"):
     BlockSizes(forward_warpgroups=3, overlap=True, stages=3)
   for bad in (-1.0, 15.5, float("nan"), True):
     with pytest.raises(ValueError, match="rescale_threshold"):
@@ -618,13 +616,16 @@ def test_block_sizes_validate():
 
 def test_forward_stages_fit_in_smem(monkeypatch):
   # Three forward stages where their buffers fit (Hopper's 227 KiB): not at H = 128 when V != H
-  # and a is saved (a needs its own SMEM tile then), nor at H = 64 with V = 128; an explicit
-  # stages_fwd is kept.
+  # and a is saved (a needs its own SMEM tile then), nor at H = 64 with V = 128, nor with three
+  # forward warpgroups at H = 32, V = 128; an explicit stages_fwd is kept. (The interpreter
+  # stages the query tiles in the output tiles', `_q_in_o`.)
   monkeypatch.setattr(_streaming, "smem_limit", lambda: 227 * 1024)
   bf16, h64, h128 = jnp.bfloat16, default_block_sizes(64), default_block_sizes(128)
+  h32_two = dataclasses.replace(default_block_sizes(32), forward_warpgroups=2)
   assert forward_stages(h64, 64, 64, bf16, save_a=True) == 3
   assert forward_stages(h64, 64, 128, bf16, save_a=False) == 2
-  assert forward_stages(default_block_sizes(32), 32, 128, bf16, save_a=True) == 3
+  assert forward_stages(h32_two, 32, 128, bf16, save_a=True) == 3
+  assert forward_stages(default_block_sizes(32), 32, 128, bf16, save_a=True) == 2
   assert forward_stages(h128, 128, 128, bf16, save_a=True) == 3
   assert forward_stages(h128, 128, 64, bf16, save_a=True) == 2
   assert forward_stages(h128, 128, 64, bf16, save_a=False) == 3
@@ -654,9 +655,18 @@ def test_backward_smem_error_names_fields():
 
 
 def test_block_size_defaults_and_types():
-  # Ping-pong forward where it measured faster (H <= 64), the plain schedule at H = 128; dk and
-  # dv in two launches at H = 128, where one launch spills registers.
+  # Three forward warpgroups where they fit (H <= 64, where they measured faster) with the
+  # ping-pong ring, two with the plain schedule at H = 128; dk and dv in two launches at H = 128,
+  # where one launch spills registers.
+  assert [default_block_sizes(h).forward_warpgroups for h in (32, 64, 128)] == [None, None, 2]
   assert default_block_sizes(64).ping_pong and not default_block_sizes(128).ping_pong
+  bf16 = jnp.bfloat16
+  decided = lambda blocks, h, vd: with_forward_warpgroups(blocks, h, vd, bf16).forward_warpgroups
+  assert decided(default_block_sizes(64), 64, 64) == 3
+  assert decided(default_block_sizes(64), 64, 128) == 2  # a's own SMEM tile leaves no room
+  assert decided(default_block_sizes(32), 32, 128) == 3
+  assert decided(dataclasses.replace(default_block_sizes(64), overlap=True, stages=3), 64, 64) == 2
+  assert decided(default_block_sizes(128), 128, 128) == 2
   assert default_block_sizes(128).split_dkv and not default_block_sizes(64).split_dkv
   assert default_block_sizes(128).overlap_bwd and not default_block_sizes(64).overlap_bwd
   assert not any(default_block_sizes(h).bounded_softmax for h in (64, 128))
@@ -681,6 +691,8 @@ def test_block_size_defaults_and_types():
     BlockSizes(bounded_softmax=1)
   with pytest.raises(TypeError, match="query_tables"):
     BlockSizes(query_tables=1)
+  with pytest.raises(TypeError, match="forward_warpgroups"):
+    BlockSizes(forward_warpgroups=3.0)
   with pytest.raises(ValueError, match="stages >= 3"):
     BlockSizes(overlap=True, ping_pong=True, stages=2)
 
@@ -739,13 +751,16 @@ def test_bounded_flags_route_each_tile(monkeypatch):
 @pytest.mark.parametrize("head_dim, row_sum_mma", [(32, False), (64, True)])
 def test_bounded_softmax_forward_and_grads(head_dim, row_sum_mma):
   # Bounded tiles (exp2 of the scores, no running max) beside unbounded ones (online softmax):
-  # large raw queries in the second 128-row tile of head 1 unflag that tile.
+  # large raw queries in the second tile of head 1 (192 rows with three forward warpgroups, the
+  # default here, of which the last 64 are padding) unflag that tile.
   q, k, v, delta, cot = _problem((1, 2, 1, head_dim), 256, 256, seed=21)
-  q = q.at[:, 128:, 1].multiply(8.0)
+  q = q.at[:, 192:, 1].multiply(8.0)
   blocks = dataclasses.replace(default_block_sizes(head_dim), bounded_softmax=True,
                                row_sum_mma=row_sum_mma)
-  flags = np.asarray(kernel.bounded_tiles(q, k, 1 / (math.sqrt(head_dim) * math.log(2)), 128))
-  assert flags[0, 1, 1] == 0 and flags.sum() == 3
+  rows = kernel.forward_tile_rows(blocks, head_dim, head_dim, q.dtype)
+  assert rows == 192
+  flags = np.asarray(kernel.bounded_tiles(q, k, 1 / (math.sqrt(head_dim) * math.log(2)), rows))
+  assert flags.shape == (1, 2, 2) and flags[0, 1, 1] == 0 and flags.sum() == 3
 
   got = _kernel_value_and_grads(blocks, q, k, v, delta, cot, is_causal=True)
   _assert_close(got, _value_and_grads("xla", q, k, v, delta, cot, is_causal=True))

@@ -87,7 +87,7 @@ def test_perplexity_by_length(tmp_path):
 def _gqa_pope_model():
   cfg = ModelConfig(vocab_size=13, num_layers=1, d_model=64, num_heads=4, num_kv_heads=2,
                     pos_encoding="pope")
-  tokens = jax.random.randint(jax.random.key(0), (2, 150), 0, 13)   # two 128-row tiles, padded
+  tokens = jax.random.randint(jax.random.key(0), (2, 250), 0, 13)   # two 192-row tiles, padded
   params = Transformer(cfg).init(jax.random.key(1), tokens)["params"]
   return cfg, tokens, params
 
@@ -103,6 +103,7 @@ def test_score_bounds_exact_at_zero_projections():
   got = analysis.score_bounds(cfg, params, [{"inputs": tokens}])
   want = math.sqrt(cfg.head_size) * math.log(2)
   assert got["bound"].shape == got["max_score"].shape == (1, 2 * 4 * 2)   # [L, B·N·tiles]
+  assert got["tile_rows"] == 192
   np.testing.assert_allclose(got["bound"], want, rtol=1e-5)
   np.testing.assert_allclose(got["max_score"], want, rtol=1e-5)
 
@@ -126,11 +127,11 @@ def test_score_bounds_match_the_pope_formula():
   phase = ((t[None, :] - t[:, None])[None, :, :, None] * theta
            + np.asarray(attn["delta"])[:, None, None])                     # [N, T, S, H]
   scores = np.einsum("btnc,bsnc,ntsc->bnts", mq, mk, np.cos(phase)) / math.sqrt(h) / math.log(2)
-  per_row = np.pad(np.abs(scores).max(-1), ((0, 0), (0, 0), (0, 106)))   # T 150 -> 256
-  np.testing.assert_allclose(got["max_score"][0], per_row.reshape(2, n, 2, 128).max(-1).ravel(),
+  per_row = np.pad(np.abs(scores).max(-1), ((0, 0), (0, 0), (0, 134)))   # T 250 -> 384
+  np.testing.assert_allclose(got["max_score"][0], per_row.reshape(2, n, 2, 192).max(-1).ravel(),
                              rtol=1e-4)
   norm = lambda x: np.sqrt(((np.maximum(x, 0) + math.log(2)) ** 2).sum(-1))
-  qn = np.pad(norm(q), ((0, 0), (0, 106), (0, 0))).reshape(2, 2, 128, n).max(2)   # [B, R, N]
+  qn = np.pad(norm(q), ((0, 0), (0, 134), (0, 0))).reshape(2, 2, 192, n).max(2)   # [B, R, N]
   kn = np.repeat(norm(k).max(1), g, axis=1)                                       # [B, N]
   bound = (qn * kn[:, None]).transpose(0, 2, 1).ravel() / math.sqrt(h) / math.log(2)
   np.testing.assert_allclose(got["bound"][0], bound, rtol=1e-5)

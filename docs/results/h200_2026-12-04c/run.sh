@@ -23,6 +23,22 @@ case "$1" in
         --out "$OUT/variants.json" > "$OUT/variants.log" 2>&1
     fi
     ;;
+  B)  # the new defaults (three forward warpgroups at H = 64, with the ring): bf16 main
+      # tables, the GPT-2-124M train step, the fp16 check and the bf16 check shapes A left out
+    timeout 190 $bench --iters 10 --out "$OUT/main.json" > "$OUT/main.log" 2>&1
+    timeout 200 $bench --skip-bench --train-step --train-batch 16 --iters 10 \
+      --out "$OUT/train.json" > "$OUT/train.log" 2>&1
+    timeout 130 $bench --check --skip-bench --iters 2 --check-dtypes bfloat16,float16 \
+      --check-shapes check_h64_noncausal,check_h32_v96_gqa,check_h64,check_h64_persistent \
+      --out "$OUT/check.json" > "$OUT/check.log" 2>&1
+    ;;
+  C)  # the default (three warpgroups, ring) against three without the ring and two with
+      # ping-pong, in turn on one machine (VARIANTS), then device time per op (--profile)
+    timeout 300 $bench --skip-bench --variants --iters 10 --out "$OUT/variants.json" \
+      > "$OUT/variants.log" 2>&1
+    timeout 150 $bench --skip-bench --profile --iters 10 --out "$OUT/profile.json" \
+      > "$OUT/profile.log" 2>&1
+    ;;
 esac
 nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv >> "$OUT/gpu.txt"
 ls -la "$OUT"
