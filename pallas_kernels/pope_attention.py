@@ -43,7 +43,7 @@ from pallas_kernels.pope_attention_bwd import pope_attention_dkv, pope_attention
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
 from pallas_kernels.pope_attention_fwd import (BOUNDED_SCORE_LIMIT, TABLE_DTYPE,
                                                bounded_softmax, pope_attention_fwd,
-                                               use_query_tables, with_forward_warpgroups)
+                                               use_query_tables, resolve_forward)
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
@@ -153,9 +153,9 @@ def tile_score_bound(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
 
 def forward_tile_rows(blocks: BlockSizes, head_dim: int, value_dim: int, dtype) -> int:
   """Query rows per CTA of the forward kernel (its resident tile group, the unit of
-  `bounded_tiles`): `block_q` times the compute warpgroups (`with_forward_warpgroups`; 192 at
+  `bounded_tiles`): `block_q` times the compute warpgroups (`resolve_forward`; 192 at
   the default blocks of H <= 64 where three fit, else 128)."""
-  blocks = with_forward_warpgroups(blocks, head_dim, -(-value_dim // 64) * 64, dtype)
+  blocks = resolve_forward(blocks, head_dim, -(-value_dim // 64) * 64, dtype)
   return blocks.forward_warpgroups * blocks.block_q
 
 
@@ -492,7 +492,7 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
   _check(q, k, v, delta)
   _check_platform()
   h = q.shape[-1]
-  blocks = with_forward_warpgroups(default_block_sizes(h) if block_sizes is None
+  blocks = resolve_forward(default_block_sizes(h) if block_sizes is None
                                    else block_sizes, h, -(-v.shape[-1] // 64) * 64, q.dtype)
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   s_len, t_len = k.shape[1], q.shape[1]

@@ -34,8 +34,9 @@ class BlockSizes:
       are larger.
     ping_pong: forward only: the two compute warpgroups take turns on the tensor cores, one's
       softmax overlapping the other's matmuls (FlashAttention-3 §3.1); with three
-      (`forward_warpgroups`), a ring of turns. On by default here; `default_block_sizes` turns
-      it off at head dim 128. As compiled (ptxas 13.5), the
+      (`forward_warpgroups`), a ring of turns. None: on with two forward warpgroups, off with
+      three (`pope_attention_fwd.resolve_forward`). On by default here; `default_block_sizes`
+      sets None at head dim <= 64 and off at 128. As compiled (ptxas 13.5), the
       handshake after the softmax arrives at its start, so the schedule orders the QKᵀ issues
       and the softmaxes may overlap (docs/results, run 12).
     overlap: forward only: each compute warpgroup issues the QKᵀ of step s together with the
@@ -118,7 +119,7 @@ class BlockSizes:
       eight pairs. The CPU interpreter runs one tile per CTA (`_streaming.num_sms`).
     forward_warpgroups: forward only: compute warpgroups per CTA, 2, 3, or None: 3 where their
       buffers fit in SMEM at two stages with a saved for the backward (not with `overlap`),
-      else 2 (`pope_attention_fwd.with_forward_warpgroups`, at the call's shapes; at H = 64,
+      else 2 (`pope_attention_fwd.resolve_forward`, at the call's shapes; at H = 64,
       3 with V = 64, 2 with V = 128). Each warpgroup has its own
       `block_q` query rows (FlashAttention-3 runs three of 64 rows at head dim 64): with three,
       two warpgroups' matmuls can run while a third computes its softmax, which bounds the
@@ -126,13 +127,13 @@ class BlockSizes:
       per thread instead of 232 (ptxas spills 40-52 bytes at H = 64 with `a_in_registers`),
       the pipeline keeps two stages at H = 64 (three do not fit in SMEM), and `ping_pong`
       becomes a ring: each warpgroup issues its QKᵀ after the previous one's
-      (`_streaming.RingSchedule`). A CTA's last group of query tiles may be partial: its
+      (`_streaming.RingSchedule`; 0.2-1.6 % slower than no ring in five of six pairs). A CTA's last group of query tiles may be partial: its
       warpgroups past the queries' length visit no keys and store nothing (no extra padding).
       Not with `overlap`. On the H200 (docs/results, run 29) three
-      warpgroups made the H = 64 forward 6.6-7.6 % faster than two with ping-pong, in three
-      rounds on one machine, with the ring or without it (within 0.8 % of each other);
-      `default_block_sizes` sets None (with the ring) at head dim <= 64 and 2 at 128, where
-      the a tile alone would take 64 of the 160 registers.
+      warpgroups made the H = 64 forward 6.6-8.5 % faster than two with ping-pong, in six
+      rounds on two machines; `default_block_sizes` sets None (and `ping_pong` None: no ring)
+      at head dim <= 64 and 2 at 128, where the a tile alone would take 64 of the 160
+      registers.
     split_dkv: compute the key-side gradients dk and dv in two launches rather than one
       (`pope_attention_dkv`): the dv launch repeats a bᵀ and the pass over the queries, but at
       head dim 128, where one launch's float32 accumulators (db, D wide, and dv) spill, two
@@ -146,7 +147,7 @@ class BlockSizes:
   block_q_dkv: int = 64
   stages: int = 2
   stages_fwd: int | None = None
-  ping_pong: bool = True
+  ping_pong: bool | None = True
   overlap: bool = False
   a_in_registers: bool = True
   overlap_bwd: bool = False
@@ -168,6 +169,8 @@ class BlockSizes:
         raise TypeError(f"BlockSizes.{field} must be an int, got {value!r}")
     for field in ("ping_pong", "overlap", "a_in_registers", "overlap_bwd", "split_dkv",
                   "persistent", "row_sum_mma", "bounded_softmax", "query_tables"):
+      if field == "ping_pong" and self.ping_pong is None:
+        continue
       if not isinstance(getattr(self, field), bool):
         raise TypeError(f"BlockSizes.{field} must be a bool, got {getattr(self, field)!r}")
     for field in ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv",
@@ -189,7 +192,7 @@ class BlockSizes:
       raise ValueError("BlockSizes.rescale_threshold must be None or a number of log2 units in "
                        f"[0, {MAX_RESCALE_THRESHOLD}], got {self.rescale_threshold!r}")
     least_fwd = self.stages if self.stages_fwd is None else self.stages_fwd
-    if self.overlap and self.ping_pong and least_fwd < 3:
+    if self.overlap and self.ping_pong is not False and least_fwd < 3:
       raise ValueError("BlockSizes.overlap with ping_pong needs stages_fwd >= 3 (or, with "
                        "stages_fwd None, stages >= 3): a slot is released one step later; got "
                        f"stages_fwd={self.stages_fwd}, stages={self.stages}")
@@ -226,8 +229,8 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
   """Heuristic default for PoPE head dim H (q/k tiles are 2H wide; SMEM and registers bound).
 
   Measured on the H200 (docs/results/attention_kernel.md): at H <= 64 the best of four block
-  shapes, with the ping-pong forward (6 % faster there with two warpgroups, runs 3-6; a ring
-  with three); at H = 128 ping-pong made no difference beyond
+  shapes; with two forward warpgroups the ping-pong forward was 6 % faster there (runs 3-6),
+  with three (below) no ring was; at H = 128 ping-pong made no difference beyond
   run-to-run noise (-4 % and +0.4 % in two runs), so the plain schedule stays.
   At both, the forward keeps a in registers and takes three stages where they fit (run 13;
   not at H = 128 when V != H and a is saved, nor at H = 64 with V > 64); the backward kernels
@@ -247,6 +250,6 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
   """
   if head_dim <= 64:
     return BlockSizes(block_q=64, block_kv=128, block_kv_dq=128, block_q_dkv=128, stages=2,
-                      forward_warpgroups=None)
+                      forward_warpgroups=None, ping_pong=None)
   return BlockSizes(block_q=64, block_kv=64, stages=2, ping_pong=False, overlap_bwd=True,
                     split_dkv=True, row_sum_mma=True, query_tables=False, rescale_threshold=8.0)

@@ -159,23 +159,27 @@ def _scratch(blocks: BlockSizes, stages: int, h: int, vd: int, dtype, save_a: bo
   return scratch
 
 
-def with_forward_warpgroups(blocks: BlockSizes, h: int, vd: int, dtype) -> BlockSizes:
-  """`blocks` with `forward_warpgroups` decided: None becomes 3 where three warpgroups'
-  buffers fit in SMEM at two stages with a saved for the backward, without the query tables
-  (`st.smem_bytes` against `st.smem_limit`; not with `overlap`), else 2. One answer for the
-  forward of inference and of training, whose visit tables it shapes.
+def resolve_forward(blocks: BlockSizes, h: int, vd: int, dtype) -> BlockSizes:
+  """`blocks` with the forward's schedule decided where it is None: `forward_warpgroups` None
+  becomes 3 where three warpgroups' buffers fit in SMEM at two stages with a saved for the
+  backward, without the query tables (`st.smem_bytes` against `st.smem_limit`; not with
+  `overlap`), else 2: one answer for the forward of inference and of training, whose visit
+  tables it shapes. Then `ping_pong` None becomes True with two warpgroups and False with
+  three (docs/results, run 29).
 
   Args:
     blocks: tile sizes; h: PoPE head dim H; vd: value width V (padded to a multiple of 64);
     dtype: q's dtype.
   """
-  if blocks.forward_warpgroups is not None:
-    return blocks
-  if not blocks.overlap:
-    three = dataclasses.replace(blocks, forward_warpgroups=3)
-    if st.smem_bytes(_scratch(three, 2, h, vd, dtype, True, False)) <= st.smem_limit():
-      return three
-  return dataclasses.replace(blocks, forward_warpgroups=2)
+  wgs = blocks.forward_warpgroups
+  if wgs is None:
+    wgs = 2
+    if not blocks.overlap:
+      three = dataclasses.replace(blocks, forward_warpgroups=3, ping_pong=False)
+      if st.smem_bytes(_scratch(three, 2, h, vd, dtype, True, False)) <= st.smem_limit():
+        wgs = 3
+  ping_pong = wgs == 2 if blocks.ping_pong is None else blocks.ping_pong
+  return dataclasses.replace(blocks, forward_warpgroups=wgs, ping_pong=ping_pong)
 
 
 def forward_stages(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool) -> int:
@@ -188,7 +192,7 @@ def forward_stages(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool) -> 
   """
   if blocks.stages_fwd is not None:
     return blocks.stages_fwd
-  blocks = with_forward_warpgroups(blocks, h, vd, dtype)
+  blocks = resolve_forward(blocks, h, vd, dtype)
   deep = max(3, blocks.stages)
   fits = st.smem_bytes(_scratch(blocks, deep, h, vd, dtype, save_a, False)) <= st.smem_limit()
   return deep if fits else blocks.stages
@@ -198,7 +202,7 @@ def use_query_tables(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool) -
   """Whether the forward maps the queries from cos and sin tables: `blocks.query_tables`,
   where the tables' SMEM tiles fit beside the `forward_stages` pipeline (they never cost a
   stage; e.g. not at H = 64 with V = 128). Arguments as `forward_stages`."""
-  blocks = with_forward_warpgroups(blocks, h, vd, dtype)
+  blocks = resolve_forward(blocks, h, vd, dtype)
   stages = forward_stages(blocks, h, vd, dtype, save_a)
   return blocks.query_tables and (
       st.smem_bytes(_scratch(blocks, stages, h, vd, dtype, save_a, True)) <= st.smem_limit())
@@ -240,6 +244,7 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
   d = 2 * h
   group = n_heads // kv_heads
   dtype = q.dtype
+  blocks = resolve_forward(blocks, h, vd, dtype)
   stages = forward_stages(blocks, h, vd, dtype, save_a)
   tables = use_query_tables(blocks, h, vd, dtype, save_a)
   if trig.ndim != (4 if tables else 2):

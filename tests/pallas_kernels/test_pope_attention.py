@@ -24,7 +24,7 @@ from pallas_kernels.pope_attention_bwd import cartesian_vjp, pope_attention_dkv
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
 from pallas_kernels.pope_attention_fwd import (TABLE_DTYPE, cartesian_halves,
                                                cartesian_halves_from_tables, forward_stages,
-                                               use_query_tables, with_forward_warpgroups)
+                                               use_query_tables, resolve_forward)
 from pope_jax import attention, encodings
 
 # The Mosaic GPU interpreter sometimes deadlocks on a 2-core machine (its warpgroups run as
@@ -655,18 +655,21 @@ def test_backward_smem_error_names_fields():
 
 
 def test_block_size_defaults_and_types():
-  # Three forward warpgroups where they fit (H <= 64, where they measured faster) with the
-  # ping-pong ring, two with the plain schedule at H = 128; dk and dv in two launches at H = 128,
-  # where one launch spills registers.
+  # Three forward warpgroups without ping-pong where they fit (H <= 64, where they measured
+  # faster), else two with ping-pong; two with the plain schedule at H = 128; dk and dv in two
+  # launches at H = 128, where one launch spills registers.
   assert [default_block_sizes(h).forward_warpgroups for h in (32, 64, 128)] == [None, None, 2]
-  assert default_block_sizes(64).ping_pong and not default_block_sizes(128).ping_pong
+  assert default_block_sizes(64).ping_pong is None and not default_block_sizes(128).ping_pong
   bf16 = jnp.bfloat16
-  decided = lambda blocks, h, vd: with_forward_warpgroups(blocks, h, vd, bf16).forward_warpgroups
-  assert decided(default_block_sizes(64), 64, 64) == 3
-  assert decided(default_block_sizes(64), 64, 128) == 2  # a's own SMEM tile leaves no room
-  assert decided(default_block_sizes(32), 32, 128) == 3
-  assert decided(dataclasses.replace(default_block_sizes(64), overlap=True, stages=3), 64, 64) == 2
-  assert decided(default_block_sizes(128), 128, 128) == 2
+  decided = lambda blocks, h, vd: (lambda b: (b.forward_warpgroups, b.ping_pong))(
+      resolve_forward(blocks, h, vd, bf16))
+  assert decided(default_block_sizes(64), 64, 64) == (3, False)
+  assert decided(default_block_sizes(64), 64, 128) == (2, True)  # a's own SMEM tile: no room
+  assert decided(default_block_sizes(32), 32, 128) == (3, False)
+  overlap = dataclasses.replace(default_block_sizes(64), overlap=True, stages=3)
+  assert decided(overlap, 64, 64) == (2, True)
+  assert decided(default_block_sizes(128), 128, 128) == (2, False)
+  assert decided(dataclasses.replace(default_block_sizes(64), ping_pong=True), 64, 64) == (3, True)
   assert default_block_sizes(128).split_dkv and not default_block_sizes(64).split_dkv
   assert default_block_sizes(128).overlap_bwd and not default_block_sizes(64).overlap_bwd
   assert not any(default_block_sizes(h).bounded_softmax for h in (64, 128))
@@ -693,6 +696,8 @@ def test_block_size_defaults_and_types():
     BlockSizes(query_tables=1)
   with pytest.raises(TypeError, match="forward_warpgroups"):
     BlockSizes(forward_warpgroups=3.0)
+  with pytest.raises(ValueError, match="stages >= 3"):
+    BlockSizes(overlap=True, ping_pong=None, stages=2)
   with pytest.raises(ValueError, match="stages >= 3"):
     BlockSizes(overlap=True, ping_pong=True, stages=2)
 

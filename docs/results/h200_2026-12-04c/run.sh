@@ -39,6 +39,12 @@ case "$1" in
     timeout 150 $bench --skip-bench --profile --iters 10 --out "$OUT/profile.json" \
       > "$OUT/profile.log" 2>&1
     ;;
+  D)  # the final defaults (three forward warpgroups at H = 64 without the ring): the GPU
+      # check of every check shape, then the bf16 main tables
+    timeout 170 $bench --check --skip-bench --iters 2 --out "$OUT/check.json" \
+      > "$OUT/check.log" 2>&1
+    timeout 190 $bench --iters 10 --out "$OUT/main.json" > "$OUT/main.log" 2>&1
+    ;;
 esac
 nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv >> "$OUT/gpu.txt"
 ls -la "$OUT"
