@@ -1,13 +1,14 @@
 """Shared pieces of the warp-specialised PoPE attention kernels (Mosaic GPU, Hopper).
 
 Every kernel has the same skeleton: a CTA holds two (the forward two or three) resident tiles,
-one per compute warpgroup, and a memory warpgroup streams tiles of the other operand through `stages` SMEM slots with TMA.
-A CTA runs one such group of tiles (an item) or, persistent, several in turn, as a static
-schedule assigns them (`item_schedule`), streaming all of them through one ring of slots.
+one per compute warpgroup, and a memory warpgroup streams tiles of the other operand through
+`stages` SMEM slots with TMA. A CTA runs one such group of tiles (an item) or, persistent,
+several in turn, as a static schedule assigns them (`item_schedule`), streaming all of them
+through one ring of slots.
 Which streamed steps a resident tile visits is precomputed in XLA from the positions (see
 `visit_table`), so causal block skipping is exact for any positions:
 
-  [u_lo, lo)   visited by the other warpgroup only: wait, release, no math
+  [u_lo, lo)   visited by another warpgroup only: wait, release, no math
   [lo, flo)    partly visible: masked by position
   [flo, fhi)   fully visible: no mask
   [fhi, hi)    partly visible: masked by position

@@ -124,10 +124,12 @@ class BlockSizes:
       `block_q` query rows (FlashAttention-3 runs three of 64 rows at head dim 64): with three,
       two warpgroups' matmuls can run while a third computes its softmax, which bounds the
       forward at H = 64 (docs/results, run 12). With 3 the compute warpgroups get 160 registers
-      per thread instead of 232 (ptxas spills 40-52 bytes at H = 64 with `a_in_registers`),
+      per thread instead of 232 (at H = 64 ptxas spills none with the defaults, 40-52 bytes
+      with `a_in_registers` and `query_tables` off),
       the pipeline keeps two stages at H = 64 (three do not fit in SMEM), and `ping_pong`
       becomes a ring: each warpgroup issues its QKᵀ after the previous one's
-      (`_streaming.RingSchedule`; 0.2-1.6 % slower than no ring in five of six pairs). A CTA's last group of query tiles may be partial: its
+      (`_streaming.RingSchedule`; its forward was 0.8-1.6 % slower than without it in five of
+      six pairs, 0.3 % faster in one). A CTA's last group of query tiles may be partial: its
       warpgroups past the queries' length visit no keys and store nothing (no extra padding).
       Not with `overlap`. On the H200 (docs/results, run 29) three
       warpgroups made the H = 64 forward 6.6-8.5 % faster than two with ping-pong, in six

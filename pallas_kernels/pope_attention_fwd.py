@@ -267,9 +267,10 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
   registers, memory_registers = st.warpgroup_registers(wgs)
 
   def query_rows(tile, wg):
-    """(rows, live) of a warpgroup's query tile: with three warpgroups, the tiles of the
-    last group past the queries (which visit no keys, `st.visit_table`) load the last tile's
-    rows and store nothing (live False); with two every tile is live (None)."""
+    """(rows, live) of a warpgroup's query tile. Where T is not a multiple of the group's
+    rows (three warpgroups), the tiles of the last group past the queries (which visit no
+    keys, `st.visit_table`) load the last tile's rows and store nothing (live False); else
+    every tile is live (None)."""
     start = (tile * wgs + wg) * bq
     if t_len % (wgs * bq) == 0:
       return pl.ds(start, bq), None
