@@ -45,6 +45,14 @@ case "$1" in
       > "$OUT/check.log" 2>&1
     timeout 190 $bench --iters 10 --out "$OUT/main.json" > "$OUT/main.log" 2>&1
     ;;
+  E)  # with D's defaults: the GPT-2-124M train step, then (the same machine, a second call)
+      # the fp16 check on three shapes. Both ran inline as below.
+    timeout 110 $bench --skip-bench --train-step --train-batch 16 --iters 10 \
+      --out "$OUT/train.json" > "$OUT/train.log" 2>&1
+    timeout 100 $bench --check --skip-bench --iters 2 --check-dtypes float16 \
+      --check-shapes check_h64,check_h64_decode,check_h32_gqa --out "$OUT/check_fp16.json" \
+      > "$OUT/check_fp16.log" 2>&1
+    ;;
 esac
 nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv >> "$OUT/gpu.txt"
 ls -la "$OUT"
