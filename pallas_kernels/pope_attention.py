@@ -316,7 +316,8 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def _resident_blocks(blocks: BlockSizes) -> tuple[tuple[int, int, bool, int], ...]:
   """Per kernel (forward, dq, dk/dv): its resident and streamed tile sizes, whether the
-  resident tiles are queries, and its compute warpgroups."""
+  resident tiles are queries, and its compute warpgroups (`blocks` as `resolve_forward`
+  returns them)."""
   return ((blocks.block_q, blocks.block_kv, True, blocks.forward_warpgroups),
           (blocks.block_q_dq, blocks.block_kv_dq, True, st.COMPUTE_WGS),
           (blocks.block_kv_dkv, blocks.block_q_dkv, False, st.COMPUTE_WGS))

@@ -452,7 +452,9 @@ def test_persistent_launch_over_tiles(head_dim, persistent, is_causal):
   # (At H = 128, non-causal, this shape sometimes never finished in the interpreter on 2 cores,
   # with one tile per CTA too: docs/results, run 15.)
   q, k, v, delta, cot = _problem((1, 2, 1, head_dim), 300, 330, seed=5)
-  blocks = dataclasses.replace(default_block_sizes(head_dim), persistent=persistent)
+  blocks = resolve_forward(dataclasses.replace(default_block_sizes(head_dim),
+                                               persistent=persistent),
+                           head_dim, 64, q.dtype)  # as pope_attention does
   q_pos = jnp.arange(300) + 30
   kw = dict(is_causal=is_causal, q_positions=q_pos)
   positions = kernel._positions(q_pos, jnp.arange(330), batch=1, t_len=300, s_len=330,
