@@ -212,10 +212,11 @@ def bench_head_dim(shape_name: str, iters: int, with_tokamax: bool,
   return {"shape": dataclasses.asdict(shape), "flops_fwd": flops, "rows": rows, "best": best}
 
 
-def _tile_scale(t_len: int, rows: int = 128, factor: float = 5.0) -> jax.Array:
-  """[1, T, 1, 1] bf16: `factor` on every other block of `rows` query rows, else 1. At N(0, 1)
-  inputs the unscaled tiles' magnitude bound holds and the scaled ones' fails, so a check with
-  `bounded_softmax` mixes bounded and online-softmax items in one CTA."""
+def _tile_scale(t_len: int, rows: int, factor: float = 5.0) -> jax.Array:
+  """[1, T, 1, 1] bf16: `factor` on every other block of `rows` query rows (the forward's query
+  tile, `pope_attention.forward_tile_rows`), else 1. At N(0, 1) inputs the unscaled tiles'
+  magnitude bound holds and the scaled ones' fails, so a check with `bounded_softmax` mixes
+  bounded and online-softmax items in one CTA."""
   scale = jnp.where(jnp.arange(t_len) // rows % 2 == 1, factor, 1.0)
   return scale.astype(jnp.bfloat16)[None, :, None, None]
 
@@ -233,7 +234,9 @@ def check(names, changes=({},), dtypes=(jnp.bfloat16,)) -> list[dict]:
   for name, change, dtype in itertools.product(names, changes, dtypes):
     shape = SHAPES[name]
     q, k, v, delta = _inputs(shape, jnp.dtype(dtype), seed=1)
-    q = q * _tile_scale(q.shape[1]).astype(q.dtype)
+    rows = kernel.forward_tile_rows(default_block_sizes(shape.head_dim), shape.head_dim,
+                                    shape.value_dim, q.dtype)
+    q = q * _tile_scale(q.shape[1], rows).astype(q.dtype)
     cot = jax.random.normal(jax.random.key(2), q.shape[:3] + (shape.value_dim,), jnp.float32)
 
     def run(impl):
@@ -277,9 +280,9 @@ def check_failures(rows: list[dict], tol: float) -> list[str]:
 # (shape, query scale, changes to the head dim's `default_block_sizes`; {} is the default; the
 # key "traced_positions" is `_pope_pallas`' argument, not a block size). At query scale 8
 # PoPE's magnitude bound fails on every tile (`bounded_softmax`'s miss case); "tiles" scales
-# every other 128-row tile by `_tile_scale`'s factor (half the items bounded).
+# every other query tile by `_tile_scale`'s factor (half the items bounded).
 VARIANTS = [
-    ("bench_h64", 1.0, [{}, {"ping_pong": False}, {"forward_warpgroups": 2}] * 3),
+    ("bench_h64", 1.0, [{}, {"ping_pong": True}, {"forward_warpgroups": 2}] * 3),
 ]
 
 
@@ -288,7 +291,10 @@ def variants(iters: int) -> list[dict]:
   for name, q_scale, changes in VARIANTS:
     shape = SHAPES[name]
     q, *rest = _inputs(shape)
-    scale = _tile_scale(q.shape[1]) if q_scale == "tiles" else jnp.asarray(q_scale, q.dtype)
+    rows = kernel.forward_tile_rows(default_block_sizes(shape.head_dim), shape.head_dim,
+                                    shape.value_dim, q.dtype)
+    scale = (_tile_scale(q.shape[1], rows) if q_scale == "tiles"
+             else jnp.asarray(q_scale, q.dtype))
     args = (q * scale, *rest)
     default_out = np.asarray(jax.jit(_pope_pallas)(*args), np.float32)
     default_grads = [np.asarray(g, np.float32) for g in _fwd_bwd(_pope_pallas)(*args)]

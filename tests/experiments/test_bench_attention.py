@@ -36,14 +36,18 @@ def test_check_failures_names_errors_and_rows_over_tolerance():
 def test_check_inputs_mix_bounded_and_unbounded_tiles():
   # The GPU check's queries (`_tile_scale`) must give `bounded_softmax` both kinds of items.
   from pallas_kernels import pope_attention as kernel
+  from pallas_kernels.pope_attention_config import default_block_sizes
   from pallas_kernels.shapes import SHAPES
   for name in ("check_h64", "check_h128"):
     shape = SHAPES[name]
     q, k, _, _ = bench_attention._inputs(shape, seed=1)
-    q = q * bench_attention._tile_scale(q.shape[1])
-    t_pad = -(-q.shape[1] // 128) * 128
+    rows = kernel.forward_tile_rows(default_block_sizes(shape.head_dim), shape.head_dim,
+                                    shape.value_dim, q.dtype)
+    assert rows == {"check_h64": 192, "check_h128": 128}[name]
+    q = q * bench_attention._tile_scale(q.shape[1], rows)
+    t_pad = -(-q.shape[1] // 128) * 128  # the kernels' padding (`BlockSizes.seq_multiple`)
     q = jnp.pad(q, ((0, 0), (0, t_pad - q.shape[1]), (0, 0), (0, 0)))
-    flags = kernel.bounded_tiles(q, k, 1 / math.sqrt(shape.head_dim) / math.log(2), 128)
+    flags = kernel.bounded_tiles(q, k, 1 / math.sqrt(shape.head_dim) / math.log(2), rows)
     assert 0 < int(flags.sum()) < flags.size, (name, flags)
 
 
