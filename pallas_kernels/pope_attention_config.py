@@ -118,7 +118,8 @@ class BlockSizes:
       run 15) 2-7 % faster forward and 1.1-3.4 % faster forward+backward at H = 64 and 128, in
       eight pairs. The CPU interpreter runs one tile per CTA (`_streaming.num_sms`).
     forward_warpgroups: forward only: compute warpgroups per CTA, 2, 3, or None: 3 where their
-      buffers fit in SMEM at two stages with a saved for the backward (not with `overlap`),
+      buffers fit in SMEM at the forward's least depth (`stages_fwd`, else `stages`) with a
+      saved for the backward (not with `overlap`),
       else 2 (`pope_attention_fwd.resolve_forward`, at the call's shapes; at H = 64,
       3 with V = 64, 2 with V = 128). Each warpgroup has its own
       `block_q` query rows (FlashAttention-3 runs three of 64 rows at head dim 64): with three,

@@ -161,11 +161,12 @@ def _scratch(blocks: BlockSizes, stages: int, h: int, vd: int, dtype, save_a: bo
 
 def resolve_forward(blocks: BlockSizes, h: int, vd: int, dtype) -> BlockSizes:
   """`blocks` with the forward's schedule decided where it is None: `forward_warpgroups` None
-  becomes 3 where three warpgroups' buffers fit in SMEM at two stages with a saved for the
-  backward, without the query tables (`st.smem_bytes` against `st.smem_limit`; not with
-  `overlap`), else 2: one answer for the forward of inference and of training, whose visit
-  tables it shapes. Then `ping_pong` None becomes True with two warpgroups and False with
-  three (docs/results, run 29).
+  becomes 3 where three warpgroups' buffers fit in SMEM at the forward's least depth
+  (`stages_fwd`, else `stages`; see `forward_stages`) with a saved for the backward, without
+  the query tables (`st.smem_bytes` against `st.smem_limit`; not with `overlap`), else 2: one
+  answer for the forward of inference and of training, whose visit tables it shapes. Then
+  `ping_pong` None becomes True with two warpgroups and False with three (docs/results, run
+  29).
 
   Args:
     blocks: tile sizes; h: PoPE head dim H; vd: value width V (padded to a multiple of 64);
@@ -176,7 +177,8 @@ def resolve_forward(blocks: BlockSizes, h: int, vd: int, dtype) -> BlockSizes:
     wgs = 2
     if not blocks.overlap:
       three = dataclasses.replace(blocks, forward_warpgroups=3, ping_pong=False)
-      if st.smem_bytes(_scratch(three, 2, h, vd, dtype, True, False)) <= st.smem_limit():
+      least = blocks.stages if blocks.stages_fwd is None else blocks.stages_fwd
+      if st.smem_bytes(_scratch(three, least, h, vd, dtype, True, False)) <= st.smem_limit():
         wgs = 3
   ping_pong = wgs == 2 if blocks.ping_pong is None else blocks.ping_pong
   return dataclasses.replace(blocks, forward_warpgroups=wgs, ping_pong=ping_pong)

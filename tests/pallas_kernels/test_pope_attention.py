@@ -668,6 +668,8 @@ def test_block_size_defaults_and_types():
   assert decided(default_block_sizes(64), 64, 64) == (3, False)
   assert decided(default_block_sizes(64), 64, 128) == (2, True)  # a's own SMEM tile: no room
   assert decided(default_block_sizes(32), 32, 128) == (3, False)
+  # Where the forward's least depth is deeper (here the backward's stages), three may not fit.
+  assert decided(dataclasses.replace(default_block_sizes(32), stages=3), 32, 128) == (2, True)
   overlap = dataclasses.replace(default_block_sizes(64), overlap=True, stages=3)
   assert decided(overlap, 64, 64) == (2, True)
   assert decided(default_block_sizes(128), 128, 128) == (2, False)
