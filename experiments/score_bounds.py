@@ -48,8 +48,8 @@ def run(lm_preset: lm.Preset, out: Path, *, max_windows: int, resume: bool, prog
   (out / "score_bounds.md").write_text(
       "# PoPE score bounds of a trained model\n\n"
       f"{n} validation windows of {lm_preset.seq_len} tokens, {bound.shape[1]} query tiles "
-      f"(windows x heads x {tile_rows}-row tiles) per layer. Bounds and scores in log2 units; a tile is "
-      f"bounded when its bound is at most {limit:g}. Bounded overall: {100 * overall:.1f} %."
+      f"(windows x heads x {tile_rows}-row tiles) per layer. Bounds and scores in log2 units; "
+      f"a tile is bounded when its bound is at most {limit:g}. Bounded overall: {100 * overall:.1f} %."
       f"{note}\n\n" + table)
   record = {"bounded_share": overall,
             "per_layer": [{"bounded_share": float(np.mean(b <= limit)),

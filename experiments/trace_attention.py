@@ -142,6 +142,7 @@ def main():
   os.environ[_streaming.PROFILE_DIR_ENV] = str(raw.resolve())  # read when the kernel compiles
   import jax
   from experiments import bench_attention
+  from pallas_kernels.pope_attention import forward_tile_rows
   from pallas_kernels.pope_attention_config import default_block_sizes
   from pallas_kernels.shapes import SHAPES
 
@@ -153,7 +154,9 @@ def main():
     raise RuntimeError(f"the kernel wrote no trace into {raw} (is this a GPU?)")
   with open(new[-1]) as f:
     trace = json.load(f)
-  wgs = default_block_sizes(args.head_dim).forward_warpgroups
+  blocks = default_block_sizes(args.head_dim)
+  rows = forward_tile_rows(blocks, args.head_dim, args.head_dim, jax.numpy.bfloat16)
+  wgs = rows // blocks.block_q
   summary = {"shape": dataclasses.asdict(shape), "trace": os.path.basename(new[-1]),
              **summarize(trace, wgs)}
   text = format_summary(summary)

@@ -126,8 +126,9 @@ class BlockSizes:
       two warpgroups' matmuls can run while a third computes its softmax, which bounds the
       forward at H = 64 (docs/results, run 12). With 3 the compute warpgroups get 160 registers
       per thread instead of 232 (at H = 64 ptxas spills none with the defaults, 40-52 bytes
-      with `a_in_registers` and `query_tables` off),
-      the pipeline keeps two stages at H = 64 (three do not fit in SMEM), and `ping_pong`
+      with `a_in_registers` False); at H = V = 64 the forward keeps three stages, beside which
+      the query tables do not fit (`query_tables`; the query map then computes cos and sin
+      itself, once per query tile); and `ping_pong`
       becomes a ring: each warpgroup issues its QKᵀ after the previous one's
       (`_streaming.RingSchedule`; its forward was 0.8-1.6 % slower than without it in five of
       six pairs, 0.3 % faster in one). A CTA's last group of query tiles may be partial: its
@@ -245,8 +246,9 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
   noise at H = 64; run 16). `bounded_softmax` stays off: it pays only where the magnitudes
   bound every score (run 17: 3.6-7.9 % faster forward then, 6.8 % slower where no tile is
   bounded), and a trained 12-layer PoPE language model had 43.8 % of its tiles bounded (run 18).
-  At H <= 64 the forward maps the queries from cos and sin tables (`query_tables`, run 21), and
-  runs three compute warpgroups where they fit (`forward_warpgroups` None, run 29: 6.6-7.6 %
+  At H <= 64 the forward maps the queries from cos and sin tables where they fit
+  (`query_tables`, run 21; with three forward warpgroups at H = V = 64 they do not fit beside
+  three stages on the GPU), and runs three compute warpgroups where they fit (`forward_warpgroups` None, run 29: 6.6-7.6 %
   faster forward at H = 64 than two; H = 32 was checked on the GPU, not timed).
   At H = 128 the forward rescales its accumulator conditionally (`rescale_threshold` 8, runs 26
   and 27; at H = 64 that was slower).

@@ -602,7 +602,8 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
   st.check_smem(scratch, "forward", f"at {stages} stages (BlockSizes.stages_fwd="
                 f"{blocks.stages_fwd}, stages={blocks.stages}) lower stages_fwd (or stages when "
                 "it is None), block_kv or block_q"
-                + ("" if blocks.a_in_registers else ", or set a_in_registers"))
+                + ("" if blocks.a_in_registers else ", or set a_in_registers")
+                + (", or set forward_warpgroups 2 (or None)" if wgs == 3 else ""))
   out_type = (jax.ShapeDtypeStruct((bsz, t_len, n_heads, vd), dtype),
               jax.ShapeDtypeStruct((bsz, n_heads, t_len), jnp.float32))
   if save_a:

@@ -138,8 +138,9 @@ def score_bounds(config: ModelConfig, params: Any,
 
   For each layer, every window of `batches`, every head and every query tile of the window
   (the forward kernel's, `pallas_kernels.pope_attention.forward_tile_rows` at the default
-  blocks: 192 rows at head dims <= 64, else 128; the last one zero-padded): the kernel's bound on the tile's scores
-  (`pallas_kernels.pope_attention.tile_score_bound`, Cauchy-Schwarz on PoPE's Cartesian vectors)
+  blocks: 192 rows at head dims <= 64, else 128; the last one zero-padded): the kernel's
+  bound on the tile's scores (`pallas_kernels.pope_attention.tile_score_bound`,
+  Cauchy-Schwarz on PoPE's Cartesian vectors)
   beside the largest |score| it bounds, both in log2 units at the logit scale 1/sqrt(H) (the
   kernel's units). The largest score is over every key of the window, causal or not, as the
   bound does not use the mask. The model runs at its default positions, without frequency

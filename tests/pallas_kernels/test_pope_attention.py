@@ -741,8 +741,9 @@ def test_bounded_tiles_at_the_limit():
 
 
 def test_bounded_flags_route_each_tile(monkeypatch):
-  # Only the tile whose scores pass 2**128 (head 1, rows 0-127) is flagged: its rows that see
-  # such scores must overflow in exp2, and nothing else may. A kernel reading another item's
+  # Only the tile of head 1 whose rows 0-127 have scores past 2**128 is flagged (tile 0: rows
+  # 0-191 with three forward warpgroups): those rows must overflow in exp2, and nothing else
+  # may. A kernel reading another item's
   # flag (rank for tile, or the table transposed) leaves that tile finite.
   q, k, v, delta, _ = _problem((1, 2, 1, 32), 256, 256, seed=21)
   q = q.at[:, :128, 1].multiply(200.0)
