@@ -119,22 +119,20 @@ class BlockSizes:
       eight pairs. The CPU interpreter runs one tile per CTA (`_streaming.num_sms`).
     forward_warpgroups: forward only: compute warpgroups per CTA, 2, 3, or None: 3 where their
       buffers fit in SMEM at the forward's least depth (`stages_fwd`, else `stages`) with a
-      saved for the backward (not with `overlap`),
-      else 2 (`pope_attention_fwd.resolve_forward`, at the call's shapes; at H = 64,
-      3 with V = 64, 2 with V = 128). Each warpgroup has its own
-      `block_q` query rows (FlashAttention-3 runs three of 64 rows at head dim 64): with three,
+      saved for the backward (not with `overlap`), else 2 (`pope_attention_fwd.resolve_forward`,
+      at the call's shapes; at H = 64, 3 with V = 64, 2 with V = 128). Each warpgroup has its
+      own `block_q` query rows (FlashAttention-3 runs three of 64 rows at head dim 64): with three,
       two warpgroups' matmuls can run while a third computes its softmax, which bounds the
       forward at H = 64 (docs/results, run 12). With 3 the compute warpgroups get 160 registers
       per thread instead of 232 (at H = 64 ptxas spills none with the defaults, 40-52 bytes
       with `a_in_registers` False); at H = V = 64 the forward keeps three stages, beside which
       the query tables do not fit (`query_tables`; the query map then computes cos and sin
-      itself, once per query tile); and `ping_pong`
-      becomes a ring: each warpgroup issues its QKᵀ after the previous one's
+      itself, once per query tile); and `ping_pong` becomes a ring: each warpgroup issues its
+      QKᵀ after the previous one's
       (`_streaming.RingSchedule`; its forward was 0.8-1.6 % slower than without it in five of
       six pairs, 0.3 % faster in one). A CTA's last group of query tiles may be partial: its
       warpgroups past the queries' length visit no keys and store nothing (no extra padding).
-      Not with `overlap`. On the H200 (docs/results, run 29) three
-      warpgroups made the H = 64 forward 6.6-8.5 % faster than two with ping-pong, in six
+      Not with `overlap`. On the H200 (docs/results, run 29) three warpgroups made the H = 64 forward 6.6-8.5 % faster than two with ping-pong, in six
       rounds on two machines; `default_block_sizes` sets None (and `ping_pong` None: no ring)
       at head dim <= 64 and 2 at 128, where the a tile alone would take 64 of the 160
       registers.
@@ -248,8 +246,9 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
   bounded), and a trained 12-layer PoPE language model had 43.8 % of its tiles bounded (run 18).
   At H <= 64 the forward maps the queries from cos and sin tables where they fit
   (`query_tables`, run 21; with three forward warpgroups at H = V = 64 they do not fit beside
-  three stages on the GPU), and runs three compute warpgroups where they fit (`forward_warpgroups` None, run 29: 6.6-7.6 %
-  faster forward at H = 64 than two; H = 32 was checked on the GPU, not timed).
+  three stages on the GPU), and runs three compute warpgroups where they fit
+  (`forward_warpgroups` None, run 29: 6.6-8.5 % faster forward at H = 64 than two; H = 32 was
+  checked on the GPU, not timed).
   At H = 128 the forward rescales its accumulator conditionally (`rescale_threshold` 8, runs 26
   and 27; at H = 64 that was slower).
   """
