@@ -128,11 +128,11 @@ class BlockSizes:
       with `a_in_registers` False); at H = V = 64 the forward keeps three stages, beside which
       the query tables do not fit (`query_tables`; the query map then computes cos and sin
       itself, once per query tile); and `ping_pong` becomes a ring: each warpgroup issues its
-      QKᵀ after the previous one's
-      (`_streaming.RingSchedule`; its forward was 0.8-1.6 % slower than without it in five of
-      six pairs, 0.3 % faster in one). A CTA's last group of query tiles may be partial: its
-      warpgroups past the queries' length visit no keys and store nothing (no extra padding).
-      Not with `overlap`. On the H200 (docs/results, run 29) three warpgroups made the H = 64 forward 6.6-8.5 % faster than two with ping-pong, in six
+      QKᵀ after the previous one's (`_streaming.RingSchedule`; its forward was 0.8-1.6 % slower
+      than without it in five of six pairs, 0.3 % faster in one). A CTA's last group of query
+      tiles may be partial: its warpgroups past the queries' length visit no keys and store
+      nothing (no extra padding). Not with `overlap`. On the H200 (docs/results, run 29) three
+      warpgroups made the H = 64 forward 6.6-8.5 % faster than two with ping-pong, in six
       rounds on two machines; `default_block_sizes` sets None (and `ping_pong` None: no ring)
       at head dim <= 64 and 2 at 128, where the a tile alone would take 64 of the 160
       registers.
