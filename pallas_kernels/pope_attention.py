@@ -182,7 +182,7 @@ def _forward(q, phase, k, v, angle_pos, q_table, k_trig, q_pos, k_pos, tables, b
   with jax.ensure_compile_time_eval():
     freqs = encodings.pope_frequencies(q.shape[-1], base)                      # [H]
   b = _pad_to(key_map(k, k_trig), v.shape[1], 1)
-  tile_rows = forward_tile_rows(blocks, q.shape[-1], v.shape[-1], q.dtype)
+  tile_rows = blocks.forward_warpgroups * blocks.block_q  # (blocks as `resolve_forward` gives)
   bounded = None
   if bounded_softmax(blocks, q.dtype):
     bounded = bounded_tiles(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), magnitude_scale,

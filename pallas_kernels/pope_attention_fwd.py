@@ -173,6 +173,8 @@ def resolve_forward(blocks: BlockSizes, h: int, vd: int, dtype) -> BlockSizes:
     dtype: q's dtype.
   """
   wgs = blocks.forward_warpgroups
+  if wgs is not None and blocks.ping_pong is not None:
+    return blocks
   if wgs is None:
     wgs = 2
     if not blocks.overlap:
