@@ -41,7 +41,6 @@ from lpes_jax.config import LlamaConfig
 from lpes_jax.rope_scaling import scaled_rope_frequencies
 from pope_jax import attention as pope_attention_lib
 from pope_jax import encodings
-from pope_jax.model import layer_multipliers
 
 Array = jax.Array
 KVCache = dict[str, Any]
@@ -266,7 +265,7 @@ class Llama(nn.Module):
           "plain": False,
       }
     positions = jnp.asarray(positions, jnp.int32)
-    mult = layer_multipliers(rope_multipliers, cfg.num_layers, cfg.num_heads)
+    mult = encodings.layer_multipliers(rope_multipliers, cfg.num_layers, cfg.num_heads)
 
     embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype,
                      name="embed_tokens")

@@ -8,10 +8,11 @@ Public API: encodings (`apply_rope`, `pope_cartesian`, frequencies), attention o
 from pope_jax.attention import dot_product_attention_reference, pope_attention, rope_attention
 from pope_jax.config import MODEL_PRESETS, ModelConfig, TrainConfig, YarnConfig
 from pope_jax.encodings import (
-    apply_rope, clamp_phase_bias, init_phase_bias, pope_cartesian, pope_frequencies,
+    apply_rope, clamp_phase_bias, init_phase_bias, layer_multipliers, pope_cartesian,
+    pope_frequencies,
     rope_frequencies, scale_frequencies, yarn_attention_factor, yarn_frequencies)
 from pope_jax.layers import PositionalAttention
-from pope_jax.model import Transformer, layer_multipliers
+from pope_jax.model import Transformer
 
 __all__ = [
     "MODEL_PRESETS", "ModelConfig", "PositionalAttention", "TrainConfig", "Transformer",

@@ -13,32 +13,10 @@ import jax
 import jax.numpy as jnp
 
 from pope_jax.config import ModelConfig
+from pope_jax.encodings import layer_multipliers
 from pope_jax.layers import PositionalAttention
 
 Array = jax.Array
-
-
-def layer_multipliers(multipliers: Array | float | None, num_layers: int, num_heads: int):
-  """Normalises frequency multipliers to [L, N] float32 (or None).
-
-  Args:
-    multipliers: None, [] (global, e.g. PI), [L] (per layer, LPES) or [L, N] (per layer and head,
-      Ms-PoE). A multiplier of 1/s interpolates positions by s.
-
-  Raises:
-    ValueError: on any other shape.
-  """
-  if multipliers is None:
-    return None
-  m = jnp.asarray(multipliers, jnp.float32)
-  if m.ndim == 0:
-    return jnp.broadcast_to(m, (num_layers, num_heads))
-  if m.shape == (num_layers,):
-    return jnp.broadcast_to(m[:, None], (num_layers, num_heads))
-  if m.shape == (num_layers, num_heads):
-    return m
-  raise ValueError(f"rope_multipliers must have shape [], [{num_layers}] or "
-                   f"[{num_layers}, {num_heads}], got {m.shape}")
 
 
 def initializers(config: ModelConfig) -> tuple[nn.initializers.Initializer, ...]:
