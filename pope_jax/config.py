@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Sequence
 
+from pope_jax.dtypes import canonical_dtype
+
 PosEncoding = Literal["rope", "pope", "none"]
 POS_ENCODINGS = ("rope", "pope", "none")
 
@@ -55,8 +57,10 @@ class ModelConfig:
     delta_init: PoPE phase-bias init, "uniform" (U(-2π, 0)) or "zeros".
     dropout_rate: dropout after attention and MLP (and on embeddings).
     tie_embeddings: share the token embedding with the output head.
-    dtype: compute dtype ("float32" or "bfloat16"); params stay float32.
-    logits_dtype: dtype of the returned logits: "float32", or "compute" (`dtype`). The head
+    dtype: compute dtype, float32 or bfloat16 as JAX users write it (`jnp.bfloat16`,
+      `np.dtype("float32")`, "bf16", ...); stored as its canonical name. Params stay float32.
+    logits_dtype: dtype of the returned logits: float32 (any spelling, stored "float32"), or
+      "compute" (`dtype`). The head
       multiplies in `dtype` either way, so "compute" loses nothing; it only skips the float32
       copy of the [B, T, V] logits (3.3 GB for GPT-2-124M at 16 × 1024 tokens). Take the loss
       with `pope_jax.train.cross_entropy_with_integer_labels`, which upcasts inside.
@@ -84,8 +88,8 @@ class ModelConfig:
   delta_init: str = "uniform"
   dropout_rate: float = 0.0
   tie_embeddings: bool = True
-  dtype: str = "float32"
-  logits_dtype: str = "float32"
+  dtype: Any = "float32"
+  logits_dtype: Any = "float32"
   attention_implementation: str | None = None
   rope_layout: str = "half"
   rope_yarn: YarnConfig | None = None
@@ -119,11 +123,17 @@ class ModelConfig:
     if self.delta_init not in ("uniform", "zeros"):
       raise ValueError(f"ModelConfig.delta_init must be 'uniform' or 'zeros', got "
                        f"{self.delta_init!r}")
-    if self.dtype not in ("float32", "bfloat16"):
-      raise ValueError(f"ModelConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-    if self.logits_dtype not in ("float32", "compute"):
-      raise ValueError(f"ModelConfig.logits_dtype must be 'float32' or 'compute', got "
-                       f"{self.logits_dtype!r}")
+    # Frozen: store the canonical names (hashable, JSON-friendly, equal to saved configs).
+    object.__setattr__(self, "dtype", canonical_dtype(
+        self.dtype, argument="ModelConfig.dtype", allowed=("float32", "bfloat16")))
+    if not (isinstance(self.logits_dtype, str) and self.logits_dtype == "compute"):
+      try:
+        logits_dtype = canonical_dtype(self.logits_dtype, argument="ModelConfig.logits_dtype",
+                                       allowed=("float32",))
+      except (TypeError, ValueError):
+        raise ValueError(f"ModelConfig.logits_dtype must be float32 or 'compute', got "
+                         f"{self.logits_dtype!r}") from None
+      object.__setattr__(self, "logits_dtype", logits_dtype)
     if self.rope_layout not in ("half", "interleaved"):
       raise ValueError(f"ModelConfig.rope_layout must be 'half' or 'interleaved', got "
                        f"{self.rope_layout!r}")

@@ -98,3 +98,10 @@ class Transformer(nn.Module):
       logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, name="head",
                         kernel_init=kernel_init)(x)
     return logits if cfg.logits_dtype == "compute" else logits.astype(jnp.float32)
+
+
+def num_params(config: ModelConfig) -> int:
+  """Number of parameters of `Transformer(config)` (abstract init: nothing is allocated)."""
+  tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+  shapes = jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens)
+  return int(sum(x.size for x in jax.tree.leaves(shapes)))

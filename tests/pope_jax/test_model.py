@@ -1,6 +1,7 @@
 """Transformer and PositionalAttention: parameters, causality, multipliers, config errors."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -151,3 +152,28 @@ def test_head_multiplies_in_the_compute_dtype(tie):
   assert len(vocab_dots) == 1
   assert all(v.aval.dtype == jnp.bfloat16 for v in vocab_dots[0].invars)
   assert model.apply({"params": params}, TOKENS).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.dtype(jnp.bfloat16), "bf16", "bfloat16",
+                                   jnp.dtype("bfloat16")])
+def test_config_takes_dtypes_as_jax_users_write_them(dtype):
+  cfg = dataclasses.replace(CFG, dtype=dtype, logits_dtype=jnp.float32)
+  assert (cfg.dtype, cfg.logits_dtype) == ("bfloat16", "float32")       # canonical names
+  # Stored configs hold strings: the canonical form compares equal to a saved one.
+  assert cfg == dataclasses.replace(CFG, dtype="bfloat16")
+  assert json.loads(json.dumps(dataclasses.asdict(cfg)))["dtype"] == "bfloat16"
+  assert hash(cfg) == hash(dataclasses.replace(CFG, dtype="bfloat16"))
+  assert dataclasses.replace(CFG, dtype=np.float32).dtype == "float32"
+  assert dataclasses.replace(CFG, logits_dtype="compute").logits_dtype == "compute"
+
+
+def test_dtype_errors_name_the_field_the_caller_passed():
+  with pytest.raises(ValueError, match=r"ModelConfig\.dtype must be one of \('float32', "
+                                       r"'bfloat16'\), got <class 'jax.numpy.float16'>"):
+    dataclasses.replace(CFG, dtype=jnp.float16)
+  with pytest.raises(ValueError, match=r"ModelConfig\.dtype .*got 'int8'"):
+    dataclasses.replace(CFG, dtype="int8")
+  with pytest.raises(TypeError, match=r"ModelConfig\.dtype must be a dtype"):
+    dataclasses.replace(CFG, dtype=object())
+  with pytest.raises(ValueError, match=r"ModelConfig\.logits_dtype .*got <class 'jax.numpy"):
+    dataclasses.replace(CFG, logits_dtype=jnp.bfloat16)
