@@ -1,106 +1,17 @@
-"""Helpers shared by the experiment CLIs: run metadata, JSON/markdown/PNG outputs."""
+"""Flag helpers shared by the experiment CLIs (not a CLI itself): overrides of a preset's configs,
+the language-model flags, and output folders that do not fit a command as usage errors."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
-import datetime
-import math
-import platform
 from pathlib import Path
-from typing import Any
 
 import jax
 
-from pope_jax import atomic, train
-
-
-def run_metadata(seed: int | None = None) -> dict[str, Any]:
-  """Versions, device and date recorded next to every result."""
-  import flax
-  import optax
-  import orbax.checkpoint
-  return {
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "seed": seed, "python": platform.python_version(), "jax": jax.__version__,
-      "flax": flax.__version__, "optax": optax.__version__,
-      "orbax_checkpoint": orbax.checkpoint.__version__,
-      "backend": jax.default_backend(), "devices": [d.device_kind for d in jax.devices()],
-  }
-
-
-def to_jsonable(obj: Any) -> Any:
-  """Dataclasses and tuples as dicts and lists; NaN and infinities as None (JSON null)."""
-  if isinstance(obj, float) and not math.isfinite(obj):
-    return None
-  if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-    return {k: to_jsonable(v) for k, v in dataclasses.asdict(obj).items()}
-  if isinstance(obj, dict):
-    return {str(k): to_jsonable(v) for k, v in obj.items()}
-  if isinstance(obj, (list, tuple)):
-    return [to_jsonable(v) for v in obj]
-  return obj
-
-
-def fmt(value: float | None, spec: str) -> str:
-  """`format(value, spec)`, or "n/a" for a value that was not measured (None or NaN)."""
-  return "n/a" if value is None or not math.isfinite(value) else format(value, spec)
-
-
-def write_json(path: str | Path, obj: Any) -> None:
-  """Writes standard JSON (NaN as null) atomically: temp file + rename, never half a file."""
-  atomic.write_json(path, to_jsonable(obj))
-
-
-def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
-  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-  return "\n".join(lines) + "\n"
-
-
-ENCODING_COLORS = {"rope": "tab:blue", "pope": "tab:red", "none": "tab:gray"}
-
-
-def write_results(out: str | Path, *, title: str, table: str, note: str, record: Any,
-                  runs: list[dict], plot: str, metric: str, ylabel: str,
-                  scale: float = 1.0) -> None:
-  """An experiment's outputs: OUT/results.md (title, table, note), OUT/results.json (record) and
-  OUT/<plot> (`metric` vs step per run); prints the table. Process 0 alone writes (multi-host)."""
-  out = Path(out)
-  if jax.process_index() == 0:
-    (out / "results.md").write_text(f"# {title}\n\n{table}\n{note}\n")
-    write_json(out / "results.json", record)
-    plot_history(runs, out / plot, metric=metric, ylabel=ylabel, title=title, scale=scale)
-  print(table)
-
-
-def plot_history(runs: list[dict], path: str | Path, *, metric: str, ylabel: str, title: str,
-                 scale: float = 1.0) -> None:
-  """One curve per run of `metric` from its history (evaluation steps only) to a PNG.
-
-  Args:
-    runs: dicts with "encoding", "history" (list of per-step dicts) and optionally "seed".
-    metric: history key, e.g. "validation_accuracy" or "valid_loss".
-    scale: multiplies the values (100 for percentages).
-  """
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for r in runs:
-    pts = [(h["step"], scale * h[metric]) for h in r["history"] if metric in h]
-    if pts:
-      label = r["encoding"] + (f" seed {r['seed']}" if "seed" in r else "")
-      ax.plot(*zip(*pts), marker=".", alpha=0.85, label=label,
-              color=ENCODING_COLORS.get(r["encoding"]))
-  ax.set_xlabel("step")
-  ax.set_ylabel(ylabel)
-  ax.set_title(title)
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+from pope_jax import train
+from pope_jax.tasks import language_model as lm
 
 
 def add_init_std_flag(parser) -> None:
@@ -148,3 +59,54 @@ def usage_errors(parser: argparse.ArgumentParser):
     yield
   except (train.ResumeError, FileExistsError) as e:
     parser.error(str(e))
+
+
+def parse_splits(value: str | None) -> dict[str, str] | None:
+  """--splits "train=a.bin,valid=b.bin" as a dict (None when not given)."""
+  if not value:
+    return None
+  try:
+    return dict(item.split("=", 1) for item in value.split(","))
+  except ValueError:
+    raise SystemExit(f"--splits must look like train=train.bin,valid=val.bin, got {value!r}")
+
+
+def add_lm_flags(parser: argparse.ArgumentParser, default_out: str) -> None:
+  """The flags of the language-model CLIs (they share one --out and its trained models)."""
+  parser.add_argument("--preset", choices=sorted(lm.PRESETS), default="cpu")
+  parser.add_argument("--encodings", default="rope,pope", help="comma-separated rope,pope")
+  parser.add_argument("--steps", type=int, help="override the preset's optimiser steps")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--data-dir", type=Path, help="folder of uint16 token files to use instead")
+  parser.add_argument("--splits", help="split=file pairs in --data-dir, e.g. "
+                                       "train=train.bin,valid=val.bin")
+  parser.add_argument("--out", type=Path, default=Path(default_out))
+  parser.add_argument("--resume", action="store_true",
+                      help="continue unfinished runs from their checkpoints in --out")
+  parser.add_argument("--no-progress", action="store_true")
+  parser.add_argument("--fsdp", action="store_true",
+                      help="shard parameters and optimiser state over the devices (FSDP)")
+  parser.add_argument("--distributed", action="store_true",
+                      help="call jax.distributed.initialize() first (multi-host: run the same "
+                           "command on every host); auto-detected on SLURM/TPU, else give:")
+  parser.add_argument("--coordinator", help="host:port of process 0 (multi-host)")
+  parser.add_argument("--num-processes", type=int, help="number of processes (multi-host)")
+  parser.add_argument("--process-id", type=int, help="this process's index (multi-host)")
+  add_init_std_flag(parser)
+
+
+def resolve_lm_preset(args) -> lm.Preset:
+  """The language-model preset with the flags applied (after `jax.distributed` with --distributed).
+
+  Raises:
+    ValueError: a config refuses a flag's value.
+  """
+  if args.distributed:
+    jax.distributed.initialize(coordinator_address=args.coordinator,
+                               num_processes=args.num_processes, process_id=args.process_id)
+  preset = lm.PRESETS[args.preset]
+  train_cfg = dataclasses.replace(preset.train, seed=args.seed, fsdp=args.fsdp)
+  if args.steps:
+    train_cfg = with_steps(train_cfg, args.steps)
+  return dataclasses.replace(preset, train=train_cfg,
+                             model=with_init_std(preset.model, args.init_std))

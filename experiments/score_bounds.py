@@ -5,7 +5,7 @@
     python -m experiments.score_bounds --preset h200     # GPT-2-124M shape, Shakespeare (GPU)
 
 Uses the PoPE model of `experiments.language_model` in the same --out (trained first if missing)
-and held-out windows of the validation split (`pope_jax.analysis.score_bounds`). Per layer: the
+and held-out windows of the validation split (`score_bounds` below, kernel-specific analysis kept out of `pope_jax`). Per layer: the
 share of query tiles (windows x heads x the forward kernel's query tiles, 192 rows at head
 dims <= 64 and 128 above) whose bound on |score| is within the
 kernel's limit (those take `BlockSizes(bounded_softmax=True)`'s softmax without a running max),
@@ -17,40 +17,128 @@ the bounded share; the median and largest bound beside the largest |score| and t
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 from pathlib import Path
+from typing import Any, Iterable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from experiments import common
-from experiments import language_model as lm
-from pallas_kernels.pope_attention import SUPPORTED_HEAD_DIMS
-from pope_jax import analysis
+from pallas_kernels.pope_attention import (BOUNDED_SCORE_LIMIT, SUPPORTED_HEAD_DIMS,
+                                           default_block_sizes, forward_tile_rows,
+                                           tile_score_bound)
+from pope_jax import analysis, atomic, encodings, reporting
+from pope_jax.config import ModelConfig
+from pope_jax.model import num_params
+from pope_jax.tasks import language_model as lm
 
 MAX_WINDOWS = {"paper": 64, "h200": 64, "cpu": 64, "smoke": 2}
 
 
-def run(lm_preset: lm.Preset, out: Path, *, max_windows: int, resume: bool, progress: bool,
-        data_dir: Path | None = None, splits: dict[str, str] | None = None) -> dict:
+def score_bounds(config: ModelConfig, params: Any,
+                 batches: Iterable[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+  """How often the fused PoPE kernel's magnitude bound lets a query tile skip the running max.
+
+  For each layer, every window of `batches`, every head and every query tile of the window
+  (the forward kernel's, `pallas_kernels.pope_attention.forward_tile_rows` at the default
+  blocks: 192 rows at head dims <= 64, else 128; the last one zero-padded): the kernel's
+  bound on the tile's scores (`pallas_kernels.pope_attention.tile_score_bound`,
+  Cauchy-Schwarz on PoPE's Cartesian vectors)
+  beside the largest |score| it bounds, both in log2 units at the logit scale 1/sqrt(H) (the
+  kernel's units). The largest score is over every key of the window, causal or not, as the
+  bound does not use the mask. The model runs at its default positions, without frequency
+  multipliers, with the XLA reference attention (the bound needs no kernel). A tile is bounded
+  when its bound is at most `BOUNDED_SCORE_LIMIT`; with
+  `BlockSizes(bounded_softmax=True)` such tiles take P = exp2(scores) with no running max.
+
+  Args:
+    config: a PoPE model's config.
+    params: its parameters.
+    batches: records batched as {"inputs": int [B, T]}, B, T > 0.
+
+  Returns:
+    {"bound": [L, M], "max_score": [L, M]} float32 numpy arrays over the M tiles of all windows,
+    heads and tiles, "limit": the kernel's limit, and "tile_rows": the tiles' rows.
+
+  Raises:
+    ValueError: a config whose pos_encoding is not "pope", inputs not of shape [B, T] with
+      B, T > 0, or no batch.
+  """
+  if config.pos_encoding != "pope":
+    raise ValueError(f"score_bounds needs pos_encoding 'pope', got {config.pos_encoding!r}")
+  config = dataclasses.replace(config, attention_implementation="xla")
+  h = config.head_size
+  tile_rows = forward_tile_rows(default_block_sizes(h), h, h, jnp.bfloat16)
+  log2_scale = 1.0 / (math.sqrt(h) * math.log(2))
+
+  @jax.jit
+  def per_layer(params, tokens):
+    t_len = tokens.shape[1]
+    t_pad = -(-t_len // tile_rows) * tile_rows
+    positions = jnp.arange(t_len)
+    bounds, maxima = [], []
+    for i, (q, k) in enumerate(analysis.layer_projections(config, params, tokens)):
+      qp = jnp.pad(q, ((0, 0), (0, t_pad - t_len), (0, 0), (0, 0)))
+      bounds.append(tile_score_bound(qp, k, log2_scale, tile_rows).reshape(-1))
+      delta = params[f"block_{i}"]["attn"]["delta"]
+      a = encodings.pope_cartesian(q, positions, base=config.pope_base,
+                                   phase=-encodings.clamp_phase_bias(delta))
+      b = encodings.pope_cartesian(k, positions, base=config.pope_base)
+      b = jnp.repeat(b, q.shape[2] // k.shape[2], axis=2)                # kv head n // group
+      scores = jnp.abs(jnp.einsum("btnd,bsnd->bnts", a, b)).max(-1) * log2_scale   # [B, N, T]
+      scores = jnp.pad(scores, ((0, 0), (0, 0), (0, t_pad - t_len)))
+      maxima.append(scores.reshape(*scores.shape[:2], -1, tile_rows).max(-1).reshape(-1))
+    return jnp.stack(bounds), jnp.stack(maxima)
+
+  bounds, maxima = [], []
+  for batch in batches:
+    tokens = jnp.asarray(batch["inputs"], jnp.int32)
+    if tokens.ndim != 2 or 0 in tokens.shape:
+      raise ValueError(f"score_bounds takes inputs of shape [B, T] with B, T > 0, got "
+                       f"{tokens.shape}")
+    bound, max_score = per_layer(params, tokens)
+    bounds.append(np.asarray(bound))
+    maxima.append(np.asarray(max_score))
+  if not bounds:
+    raise ValueError("score_bounds got no batch")
+  return {"bound": np.concatenate(bounds, 1), "max_score": np.concatenate(maxima, 1),
+          "limit": BOUNDED_SCORE_LIMIT, "tile_rows": tile_rows}
+
+
+def run(lm_preset: lm.Preset, out: Path, *, preset_name: str, max_windows: int, resume: bool,
+        progress: bool, data_dir: Path | None = None,
+        splits: dict[str, str] | None = None) -> dict:
+  """Measures the PoPE model's score bounds and writes OUT/score_bounds.{json,md,png}."""
   n, batches = lm.validation_batches(lm_preset, out, data_dir, splits, max_windows)
   _, params, cfg = lm.train_model(lm_preset, "pope", out, resume=resume, progress=progress,
                                   data_dir=data_dir, splits=splits)
-  result = analysis.score_bounds(cfg, params, batches())
+  result = score_bounds(cfg, params, batches())
   bound, max_score, limit = result["bound"], result["max_score"], result["limit"]
   tile_rows = result["tile_rows"]
   rows = [[i, f"{100 * np.mean(bound[i] <= limit):.1f}", f"{np.median(bound[i]):.1f}",
            f"{bound[i].max():.1f}", f"{max_score[i].max():.1f}"] for i in range(len(bound))]
-  table = common.markdown_table(
+  table = reporting.markdown_table(
       ["layer", "bounded tiles (%)", "median bound", "max bound", "max abs score"], rows)
   overall = float(np.mean(bound <= limit))
   note = ("" if cfg.head_size in SUPPORTED_HEAD_DIMS else
           f" (This model's head dim {cfg.head_size} is not one the kernel runs, "
           f"{SUPPORTED_HEAD_DIMS}: the shares show what the bound would give.)")
-  (out / "score_bounds.md").write_text(
-      "# PoPE score bounds of a trained model\n\n"
-      f"{n} validation windows of {lm_preset.seq_len} tokens, {bound.shape[1]} query tiles "
-      f"(windows x heads x {tile_rows}-row tiles) per layer. Bounds and scores in log2 units; "
-      f"a tile is bounded when its bound is at most {limit:g}. Bounded overall: {100 * overall:.1f} %."
-      f"{note}\n\n" + table)
+  about = reporting.what_ran(
+      preset=preset_name, description=lm_preset.description, params=num_params(cfg),
+      steps=lm_preset.train.steps,
+      batch=f"{lm_preset.train.batch_size} windows of {lm_preset.seq_len} tokens",
+      data=f"{n} validation windows of {lm_preset.seq_len} tokens",
+      paper="not in the paper (a property of this project's fused kernel)",
+      expect="the share of tiles that can skip the running max; it depends on the trained "
+             "magnitudes, so small models say little about large ones")
+  atomic.write_text(out / "score_bounds.md", (
+      "# PoPE score bounds of a trained model\n\n" + about + "\n"
+      f"{bound.shape[1]} query tiles (windows x heads x {tile_rows}-row tiles) per layer. Bounds "
+      f"and scores in log2 units; a tile is bounded when its bound is at most {limit:g}. Bounded "
+      f"overall: {100 * overall:.1f} %.{note}\n\n" + table))
   record = {"bounded_share": overall,
             "per_layer": [{"bounded_share": float(np.mean(b <= limit)),
                            "bound_median": float(np.median(b)), "bound_max": float(b.max()),
@@ -58,8 +146,8 @@ def run(lm_preset: lm.Preset, out: Path, *, max_windows: int, resume: bool, prog
             "limit": limit, "tile_rows": tile_rows, "windows": n,
             "seq_len": lm_preset.seq_len,
             "config": {"lm_preset": lm_preset},
-            "metadata": common.run_metadata(lm_preset.train.seed)}
-  common.write_json(out / "score_bounds.json", record)
+            "metadata": reporting.run_metadata(lm_preset.train.seed)}
+  reporting.write_json(out / "score_bounds.json", record)
   plot(record, out / "score_bounds.png")
   print(table)
   print(f"bounded tiles overall: {100 * overall:.1f} %")
@@ -90,7 +178,7 @@ def plot(record: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  lm.add_common_flags(parser, "runs/language_model")
+  common.add_lm_flags(parser, "runs/language_model")
   parser.add_argument("--max-windows", type=int, help="validation windows to measure")
   args = parser.parse_args(argv)
   if args.max_windows is not None and args.max_windows < 1:
@@ -104,9 +192,9 @@ def main(argv: list[str] | None = None) -> dict:
   max_windows = MAX_WINDOWS[args.preset] if args.max_windows is None else args.max_windows
   with common.usage_errors(parser):
     try:
-      return run(lm.resolve_preset(args), args.out, max_windows=max_windows, resume=args.resume,
-                 progress=not args.no_progress, data_dir=args.data_dir,
-                 splits=lm.parse_splits(args.splits))
+      return run(common.resolve_lm_preset(args), args.out, preset_name=args.preset,
+                 max_windows=max_windows, resume=args.resume, progress=not args.no_progress,
+                 data_dir=args.data_dir, splits=common.parse_splits(args.splits))
     except FileNotFoundError as e:
       parser.error(str(e))
 

@@ -1,5 +1,4 @@
-"""Analyses of trained models: frequency usage (PoPE §5), zero-shot length extrapolation, and
-how often the fused kernel's score bound holds (`score_bounds`).
+"""Analyses of trained models: frequency usage (PoPE §5) and zero-shot length extrapolation.
 
 Frequency usage: how strongly each layer uses each frequency.
 
@@ -24,7 +23,6 @@ Shape letters: B batch, T length, N heads, H head dim, F frequencies (H/2 RoPE, 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from pathlib import Path
@@ -76,7 +74,7 @@ def frequencies(config: ModelConfig) -> np.ndarray:
   return np.asarray(encodings.rope_frequencies(config.head_size, config.rope_base))
 
 
-def _layer_projections(config: ModelConfig, params: Any,
+def layer_projections(config: ModelConfig, params: Any,
                        tokens: Array) -> list[tuple[Array, Array]]:
   """Per layer, the raw query and key projections ([B, T, N, H], [B, T, K, H], before
   rotation / softplus) of `tokens` [B, T], in the model's compute dtype."""
@@ -90,7 +88,7 @@ def _layer_projections(config: ModelConfig, params: Any,
 def _capture_qk(config: ModelConfig):
   def sums(params, tokens, weights):
     out = {"query": [], "key": []}
-    for layer in _layer_projections(config, params, tokens):
+    for layer in layer_projections(config, params, tokens):
       for which, x in zip(("query", "key"), layer):
         mag = frequency_magnitudes(x, config.pos_encoding, rope_layout=config.rope_layout)
         out[which].append(jnp.einsum("btnf,bt->f", mag, weights) / mag.shape[2])
@@ -130,80 +128,6 @@ def frequency_usage(config: ModelConfig, params: Any,
     raise ValueError("frequency_usage got no token with non-zero weight")
   return {"query": total["query"] / count, "key": total["key"] / count,
           "frequencies": frequencies(config)}
-
-
-def score_bounds(config: ModelConfig, params: Any,
-                 batches: Iterable[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-  """How often the fused PoPE kernel's magnitude bound lets a query tile skip the running max.
-
-  For each layer, every window of `batches`, every head and every query tile of the window
-  (the forward kernel's, `pallas_kernels.pope_attention.forward_tile_rows` at the default
-  blocks: 192 rows at head dims <= 64, else 128; the last one zero-padded): the kernel's
-  bound on the tile's scores (`pallas_kernels.pope_attention.tile_score_bound`,
-  Cauchy-Schwarz on PoPE's Cartesian vectors)
-  beside the largest |score| it bounds, both in log2 units at the logit scale 1/sqrt(H) (the
-  kernel's units). The largest score is over every key of the window, causal or not, as the
-  bound does not use the mask. The model runs at its default positions, without frequency
-  multipliers, with the XLA reference attention (the bound needs no kernel). A tile is bounded
-  when its bound is at most `pope_attention_fwd.BOUNDED_SCORE_LIMIT`; with
-  `BlockSizes(bounded_softmax=True)` such tiles take P = exp2(scores) with no running max
-  (docs/results/attention_kernel.md, runs 16-18).
-
-  Args:
-    config: a PoPE model's config.
-    params: its parameters.
-    batches: records batched as {"inputs": int [B, T]}, B, T > 0.
-
-  Returns:
-    {"bound": [L, M], "max_score": [L, M]} float32 numpy arrays over the M tiles of all windows,
-    heads and tiles, "limit": the kernel's limit, and "tile_rows": the tiles' rows.
-
-  Raises:
-    ValueError: a config whose pos_encoding is not "pope", inputs not of shape [B, T] with
-      B, T > 0, or no batch.
-  """
-  from pallas_kernels import pope_attention as kernel
-  from pallas_kernels.pope_attention_config import default_block_sizes
-
-  if config.pos_encoding != "pope":
-    raise ValueError(f"score_bounds needs pos_encoding 'pope', got {config.pos_encoding!r}")
-  config = dataclasses.replace(config, attention_implementation="xla")
-  h = config.head_size
-  tile_rows = kernel.forward_tile_rows(default_block_sizes(h), h, h, jnp.bfloat16)
-  log2_scale = 1.0 / (math.sqrt(h) * math.log(2))
-
-  @jax.jit
-  def per_layer(params, tokens):
-    t_len = tokens.shape[1]
-    t_pad = -(-t_len // tile_rows) * tile_rows
-    positions = jnp.arange(t_len)
-    bounds, maxima = [], []
-    for i, (q, k) in enumerate(_layer_projections(config, params, tokens)):
-      qp = jnp.pad(q, ((0, 0), (0, t_pad - t_len), (0, 0), (0, 0)))
-      bounds.append(kernel.tile_score_bound(qp, k, log2_scale, tile_rows).reshape(-1))
-      delta = params[f"block_{i}"]["attn"]["delta"]
-      a = encodings.pope_cartesian(q, positions, base=config.pope_base,
-                                   phase=-encodings.clamp_phase_bias(delta))
-      b = encodings.pope_cartesian(k, positions, base=config.pope_base)
-      b = jnp.repeat(b, q.shape[2] // k.shape[2], axis=2)                # kv head n // group
-      scores = jnp.abs(jnp.einsum("btnd,bsnd->bnts", a, b)).max(-1) * log2_scale   # [B, N, T]
-      scores = jnp.pad(scores, ((0, 0), (0, 0), (0, t_pad - t_len)))
-      maxima.append(scores.reshape(*scores.shape[:2], -1, tile_rows).max(-1).reshape(-1))
-    return jnp.stack(bounds), jnp.stack(maxima)
-
-  bounds, maxima = [], []
-  for batch in batches:
-    tokens = jnp.asarray(batch["inputs"], jnp.int32)
-    if tokens.ndim != 2 or 0 in tokens.shape:
-      raise ValueError(f"score_bounds takes inputs of shape [B, T] with B, T > 0, got "
-                       f"{tokens.shape}")
-    bound, max_score = per_layer(params, tokens)
-    bounds.append(np.asarray(bound))
-    maxima.append(np.asarray(max_score))
-  if not bounds:
-    raise ValueError("score_bounds got no batch")
-  return {"bound": np.concatenate(bounds, 1), "max_score": np.concatenate(maxima, 1),
-          "limit": kernel.BOUNDED_SCORE_LIMIT, "tile_rows": tile_rows}
 
 
 def attention_score_bytes(config: ModelConfig, batch_size: int, length: int) -> int:

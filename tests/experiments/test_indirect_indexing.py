@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 
-from experiments import common, indirect_indexing
+from experiments import indirect_indexing
+from pope_jax import reporting
 from pope_jax.data import indirect_indexing as task
 
 
@@ -116,7 +117,7 @@ def test_unmeasured_speed_is_null_in_json_and_na_in_the_table(tmp_path):
   run = {"encoding": "pope", "seed": 0, "test_accuracy": 0.5, "validation_accuracy": 0.5,
          "test_loss": 1.0, "steps_per_second": math.nan,
          "history": [{"step": 2, "seed": 0, "validation_accuracy": 0.5}]}
-  common.write_json(tmp_path / "pope" / "result.json", {
+  reporting.write_json(tmp_path / "pope" / "result.json", {
       "encoding": "pope", "seeds": [0], "runs": [run], "config": {}, "metadata": {}})
   assert _strict_json(tmp_path / "pope" / "result.json")["runs"][0]["steps_per_second"] is None
   shutil.copytree(tmp_path / "pope", tmp_path / "rope")  # An older file with a bare NaN.

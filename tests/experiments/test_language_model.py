@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from experiments import frequency_usage, language_model, length_extrapolation, score_bounds
+from experiments import common, frequency_usage, language_model, length_extrapolation, score_bounds
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_init_std_flag_is_validated(main, tmp_path, capsys):
 
 def test_init_std_flag_reaches_the_model_config():
   parser = argparse.ArgumentParser()
-  language_model.add_common_flags(parser, "runs/x")
+  common.add_lm_flags(parser, "runs/x")
   for flag, want in (([], 0.02), (["--init-std", "flax"], None), (["--init-std", "0.01"], 0.01)):
-    preset = language_model.resolve_preset(parser.parse_args(["--preset", "smoke"] + flag))
+    preset = common.resolve_lm_preset(parser.parse_args(["--preset", "smoke"] + flag))
     assert preset.model.init_std == want
