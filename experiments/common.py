@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 
 from pope_jax import train
+from pope_jax.reporting import write_json  # noqa: F401  (the LPES CLIs write through common)
 from pope_jax.tasks import language_model as lm
 
 

@@ -4,9 +4,9 @@
     python -m experiments.jsb --preset paper       # the paper's configuration (GPU)
     python -m experiments.jsb --preset smoke       # seconds, for tests (a dozen scores)
 
-Task logic: `pope_jax.tasks.jsb`; data: `pope_jax.data.jsb` (music21's Bach corpus → SATB 16th-note raster tokens, fixed split in
-JSB's 229/76/77 proportions), cached under $POPE_JAX_CACHE (default ~/.cache/pope_jax). The paper
-reports RoPE 0.5081 and PoPE 0.4889 test NLL on the original JSB data; this is a different
+Task logic: `pope_jax.tasks.jsb`; data: `pope_jax.data.jsb` (music21's Bach corpus → SATB
+16th-note raster tokens, fixed split in JSB's 229/76/77 proportions), cached under
+$POPE_JAX_CACHE (default ~/.cache/pope_jax). The paper reports RoPE 0.5081 and PoPE 0.4889 test NLL on the original JSB data; this is a different
 extraction, so only the direction of the gap compares.
 
 Each encoding's run lives in OUT/<encoding>/ (orbax checkpoints, metrics.jsonl, result.json);

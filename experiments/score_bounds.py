@@ -5,8 +5,8 @@
     python -m experiments.score_bounds --preset h200     # GPT-2-124M shape, Shakespeare (GPU)
 
 Uses the PoPE model of `experiments.language_model` in the same --out (trained first if missing)
-and held-out windows of the validation split (`score_bounds` below, kernel-specific analysis kept out of `pope_jax`). Per layer: the
-share of query tiles (windows x heads x the forward kernel's query tiles, 192 rows at head
+and held-out windows of the validation split (`score_bounds` below: kernel-specific analysis stays
+out of `pope_jax`). Per layer: the share of query tiles (windows x heads x the forward kernel's query tiles, 192 rows at head
 dims <= 64 and 128 above) whose bound on |score| is within the
 kernel's limit (those take `BlockSizes(bounded_softmax=True)`'s softmax without a running max),
 the median and largest bound, and the largest |score| itself (how loose the bound is), all in

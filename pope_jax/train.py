@@ -8,8 +8,8 @@ language modelling); evaluation reports "loss" (mean NLL per weighted token) and
 (weighted argmax accuracy) per split.
 
 Data order is a pure function of (seed, step): batch `i` is element `i` of a shuffled, repeated,
-batched grain `MapDataset`, so `resume=True` continues from the latest orbax checkpoint with the same
-data and dropout randomness as an uninterrupted run. Batches are sharded over a 1-D
+batched grain `MapDataset`, so `resume=True` continues from the latest orbax checkpoint with the
+same data and dropout randomness as an uninterrupted run. Batches are sharded over a 1-D
 `jax.sharding.Mesh` of all devices (axis "data"): data parallel, and one CPU device works.
 Parameters and optimiser state are replicated, or with `TrainConfig.fsdp` sharded over the same
 axis (each large leaf split along its largest divisible dimension; XLA inserts the gathers).

@@ -286,7 +286,8 @@ class ChoraleSource:
     index %= len(self)
     window, shift = divmod(index, len(self.transpositions))
     piece, start = self._windows[window]
-    tokens = tokenize(self._pieces[piece], self.transpositions[shift])[start:start + self.seq_len + 1]
+    tokens = tokenize(self._pieces[piece], self.transpositions[shift])
+    tokens = tokens[start:start + self.seq_len + 1]
     n = len(tokens) - 1
     out = {"inputs": np.full(self.seq_len, SILENCE, np.int32),
            "targets": np.full(self.seq_len, SILENCE, np.int32),

@@ -167,8 +167,8 @@ def train_model(preset: Preset, encoding: str, out: Path, *, resume: bool, progr
     done = json.loads(result_file.read_text())
     if done["config"] == json.loads(json.dumps(reporting.to_jsonable(config))):
       return done, load_params(params_file), model_cfg
-  sources = text.token_sources(data_dir, seq_len, splits=files,
-                               train_stride=preset.train_stride and min(preset.train_stride, seq_len))
+  stride = preset.train_stride and min(preset.train_stride, seq_len)
+  sources = text.token_sources(data_dir, seq_len, splits=files, train_stride=stride)
   extra = {} if init_params is None else {"init_params": init_params}
   result = train_and_evaluate(
       model_cfg, train_cfg, train_source=sources["train"],
