@@ -80,3 +80,16 @@ def test_perplexity_by_length(tmp_path):
   with pytest.raises(ValueError, match="GiB"):
     analysis.perplexity_by_length(cfg, params, tmp_path / "valid.bin", [8, 100_000],
                                   memory_budget=2**30)
+
+
+def test_pope_jax_imports_neither_the_kernels_nor_the_clis():
+  """Kernel-specific analysis lives in experiments/; pope_jax reaches the kernel only lazily."""
+  import subprocess
+  import sys
+  code = ("import sys, pope_jax, pope_jax.analysis, pope_jax.reporting, pope_jax.tasks.jsb, "
+          "pope_jax.tasks.indirect_indexing, pope_jax.tasks.language_model, "
+          "pope_jax.tasks.length_extrapolation, pope_jax.tasks.frequency_usage; "
+          "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+          "('pallas_kernels', 'experiments')))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "[]"
