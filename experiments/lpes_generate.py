@@ -40,7 +40,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                       help="prompt text (repeat for a batch)")
   parser.add_argument("--max-new-tokens", type=int, default=32)
   parser.add_argument("--rope-multipliers", default=None,
-                      help="scalar, comma-separated per-layer list, or a .json file ([L] or [L, N])")
+                      help="scalar, comma-separated per-layer list, or a .json file "
+                           "([L] or [L, N])")
   parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   args = parser.parse_args(argv)

@@ -50,7 +50,8 @@ def main(argv=None) -> None:
   args = p.parse_args(argv)
   if args.model:
     from lpes_jax.checkpoints import load_checkpoint
-    cfg, params = load_checkpoint(args.model, dtype=args.dtype, attention_implementation=args.attention)
+    cfg, params = load_checkpoint(args.model, dtype=args.dtype,
+                                  attention_implementation=args.attention)
   else:
     cfg = LlamaConfig(**PRESETS[args.preset], dtype=args.dtype,
                       attention_implementation=args.attention)

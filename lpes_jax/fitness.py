@@ -57,7 +57,8 @@ class FitnessBatch:
 
 
 def make_batch(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
-               subset: Sequence[int], *, pad_id: int = 0, max_len: int | None = None) -> FitnessBatch:
+               subset: Sequence[int], *, pad_id: int = 0,
+               max_len: int | None = None) -> FitnessBatch:
   """Left-pads tokenised prompts and right-pads answers into a `FitnessBatch`.
 
   Raises:

@@ -83,7 +83,8 @@ class SearchConfig:
       raise ValueError("SearchConfig.num_parents must be >= 2 for crossover")
     w = np.asarray(self.weights)
     if not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
-      raise ValueError(f"SearchConfig.weights must be finite, >= 0 and not all 0, got {self.weights}")
+      raise ValueError(f"SearchConfig.weights must be finite, >= 0 and not all 0, got "
+                       f"{self.weights}")
 
 
 def split_population(population: int, *, parents: int | None = None,
