@@ -1,0 +1,24 @@
+"""The project's command-line entry points, all run as `python -m experiments.NAME` (the one
+place they are listed). Each parses flags, builds a config from a preset plus overrides, calls the
+library (`pope_jax`, `lpes_jax`, `pallas_kernels`) and writes its results; none imports another.
+
+PoPE (`pope_jax`):
+  language_model       — train RoPE and PoPE Transformers on real text; validation perplexity.
+  length_extrapolation — zero-shot perplexity vs evaluation context length (PoPE Figure 2).
+  frequency_usage      — per (layer, frequency) mean q/k magnitude of RoPE and PoPE (PoPE §5).
+  indirect_indexing    — train RoPE and PoPE on indirect indexing; test accuracy (PoPE §4).
+  jsb                  — JSB-style Bach chorales; test NLL per token (PoPE App. A).
+  score_bounds         — how many query tiles the fused kernel's magnitude bound covers.
+Kernel (`pallas_kernels`, GPU):
+  bench_attention      — the fused Pallas PoPE attention kernel against the best XLA/cuDNN paths.
+  trace_attention      — where the fused forward kernel spends its time, per warpgroup.
+  profile_ops          — device time per XLA op of a jitted function (used by bench_attention).
+LPES (`lpes_jax`):
+  lpes_generate        — greedy generation with a Llama-family model (HF folder or GGUF).
+  lpes_search          — Bézier-constrained genetic search of per-layer RoPE scales.
+  lpes_eval            — lost-in-the-middle accuracy per gold position (base, PI, Ms-PoE,
+                         Attention Buckets, LPES).
+  lpes_latency         — generation latency of those methods on one model.
+  bench_llama          — Llama prefill and decode throughput beside PyTorch + transformers.
+  lpes_h200.sh         — (bash script) the LPES search, evaluation and latency run on one H200.
+"""

@@ -53,7 +53,7 @@ def bench_jax(config: LlamaConfig, params, *, prefill_len: int, prefill_batch: i
   model = Llama(config)
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.integers(3, config.vocab_size, (prefill_batch, prefill_len)), jnp.int32)
-  prefill = jax.jit(lambda p, t: model.apply({"params": p}, t, last_token_only=True))
+  prefill = jax.jit(lambda p, t: model.apply({"params": p}, t, logits_to_keep=1))
   t_prefill = _median_time(lambda: prefill(params, x).block_until_ready(), reps)
 
   prompts = jnp.asarray(rng.integers(3, config.vocab_size, (decode_batch, prompt_len)), jnp.int32)
@@ -62,7 +62,7 @@ def bench_jax(config: LlamaConfig, params, *, prefill_len: int, prefill_batch: i
 
   @jax.jit
   def prefill_cached(p, t, m):
-    logits, cache = model.apply({"params": p}, t, attention_mask=m, last_token_only=True,
+    logits, cache = model.apply({"params": p}, t, attention_mask=m, logits_to_keep=1,
                                 kv_cache=init_kv_cache(config, t.shape[0], cache_len))
     return logits, cache["k"][-1]
 

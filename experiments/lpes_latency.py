@@ -11,6 +11,7 @@ which costs exactly what any curve costs. Writes `<out>/latency.json` and `<out>
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import common
-from lpes_jax import baselines, search
+from lpes_jax import baselines, generate
 from lpes_jax.config import LlamaConfig
 from lpes_jax.llama import Llama, init_params
 
@@ -49,13 +50,14 @@ def main(argv=None) -> None:
   args = p.parse_args(argv)
   if args.model:
     from lpes_jax.checkpoints import load_checkpoint
-    cfg, params = load_checkpoint(args.model, dtype=args.dtype, attention_implementation=args.attention)
+    cfg, params = load_checkpoint(args.model, dtype=args.dtype,
+                                  attention_implementation=args.attention)
   else:
     cfg = LlamaConfig(**PRESETS[args.preset], dtype=args.dtype,
                       attention_implementation=args.attention)
     params = init_params(cfg, jax.random.key(0))
   model = Llama(cfg)
-  greedy = search.llama_greedy(model)
+  greedy = functools.partial(generate.greedy_tokens, cfg)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (args.batch, args.prompt_len)), jnp.int32)
   mask = jnp.ones_like(tokens, bool)

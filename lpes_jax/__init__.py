@@ -2,7 +2,7 @@
 
 API summary:
 
-    model, params, config = lpes_jax.load_pretrained(path, dtype="float32")
+    model, params, config = lpes_jax.load_pretrained(path, dtype=jnp.float32)
         # path: Hugging Face folder (config.json + safetensors) or a .gguf file.
     tok = lpes_jax.load_tokenizer(path)
         # tok.encode(text) (BOS per the checkpoint, once), tok.decode(ids),
@@ -29,33 +29,29 @@ from typing import Any
 
 from lpes_jax.checkpoints import load_checkpoint
 from lpes_jax.config import LlamaConfig
+from lpes_jax.generate import greedy_decode, greedy_generate
 from lpes_jax.llama import Llama, init_kv_cache, init_params, padded_positions
 from lpes_jax.rope_scaling import RopeScaling
 from lpes_jax.tokenizer import Tokenizer, load_tokenizer
 
 
-def load_pretrained(path: str, *, dtype: str = "float32",
+def load_pretrained(path: str, *, dtype: Any = "float32",
                     **overrides: Any) -> tuple[Llama, Any, LlamaConfig]:
   """(model, params, config) from a Hugging Face folder or a .gguf file.
 
   Args:
     path: folder with config.json and model.safetensors (or a sharded index), or a .gguf file.
-    dtype: parameter and activation dtype: "float32", "bfloat16" or "float16".
+    dtype: parameter and activation dtype as JAX users write it: `jnp.float32`, `jnp.bfloat16`,
+      `np.dtype("float16")`, "bf16", ...; the config stores the canonical name ("bfloat16").
     overrides: LlamaConfig fields to replace, e.g. attention_implementation="jax_nn".
 
   Raises:
+    TypeError, ValueError: `dtype` is not a float32/bfloat16/float16 dtype (the message names
+      `dtype`).
     FileNotFoundError, ValueError: see `lpes_jax.checkpoints`.
   """
   config, params = load_checkpoint(path, dtype=dtype, **overrides)
   return Llama(config), params, config
-
-
-def __getattr__(name: str):
-  # Imported on first use so that `python -m lpes_jax.generate` runs the module only once.
-  if name in ("greedy_generate", "greedy_decode"):
-    from lpes_jax import generate as generate_module
-    return getattr(generate_module, name)
-  raise AttributeError(f"module 'lpes_jax' has no attribute {name!r}")
 
 
 __all__ = [

@@ -20,8 +20,9 @@
   projections captured), so layer l ≥ 3 is ordered on hidden states of unscaled earlier layers
   whereas the official code orders each layer inside the scaled forward; layers 0–2 are exact.
 * Attention Buckets (Chen et al., arXiv 2312.04455): the whole model once per RoPE base, each copy
-  with its own KV cache; at every decoding step the copies' last-token logits ℓ_b are weighted by
-  softmax_b(max_v ℓ_b[v]) and summed; the argmax is fed back to every copy.
+  with its own KV cache (`lpes_jax.generate`'s prefill and decode steps); at every decoding step
+  the copies' last-token logits ℓ_b are weighted by softmax_b(max_v ℓ_b[v]) and summed; the
+  argmax is fed back to every copy.
 * MoICE is not implemented.
 
 Shape letters: B batch, T tokens, N query heads, K kv heads, H head dim, L layers, V vocabulary.
@@ -37,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lpes_jax.bezier import validate_scales
-from lpes_jax.llama import Llama, init_kv_cache
+from lpes_jax.generate import decode_step, prefill
+from lpes_jax.llama import Llama
 
 # The RAG list of Attention Buckets for base-10 000 models.
 BUCKET_BASES = (10000.0, 13000.0, 16000.0, 19000.0, 22000.0, 25000.0, 28000.0)
@@ -113,7 +115,7 @@ def ms_poe_head_scores(model: Llama, params, tokens: jax.Array, mask: jax.Array)
   """[B, L, N] scores from one prefill pass of the unscaled model (q/k projections captured)."""
   cfg = model.config
   _, state = model.apply(
-      {"params": params}, tokens, attention_mask=mask, last_token_only=True,
+      {"params": params}, tokens, attention_mask=mask, logits_to_keep=1,
       capture_intermediates=lambda mdl, _: mdl.name in ("q_proj", "k_proj"),
       mutable=["intermediates"])
   inter = state["intermediates"]
@@ -190,24 +192,21 @@ def buckets_greedy(config, bases, params, tokens, mask, num_new: int) -> jax.Arr
   Returns:
     [B, num_new] int32.
   """
-  models = [Llama(dataclasses.replace(config, rope_theta=float(b))) for b in bases]
-  B, T = tokens.shape
+  configs = [dataclasses.replace(config, rope_theta=float(b)) for b in bases]
   caches, logits = [], []
-  for m in models:
-    lg, c = m.apply({"params": params}, tokens, attention_mask=mask,
-                    kv_cache=init_kv_cache(m.config, B, T + num_new), last_token_only=True)
-    caches.append(c)
-    logits.append(lg[:, -1])
+  for c in configs:
+    lg, cache = prefill(c, params, tokens, mask, None, tokens.shape[1] + num_new)
+    caches.append(cache)
+    logits.append(lg)
   first = jnp.argmax(ensemble_logits(jnp.stack(logits)), axis=-1).astype(jnp.int32)
 
   def step(carry, _):
     tok, caches = carry
     new_caches, logits = [], []
-    for m, c in zip(models, caches):
-      lg, c = m.apply({"params": params}, tok[:, None], attention_mask=jnp.ones((B, 1), bool),
-                      kv_cache=c, last_token_only=True)
-      new_caches.append(c)
-      logits.append(lg[:, -1])
+    for c, cache in zip(configs, caches):
+      lg, cache = decode_step(c, params, tok, cache, None)
+      new_caches.append(cache)
+      logits.append(lg)
     nxt = jnp.argmax(ensemble_logits(jnp.stack(logits)), axis=-1).astype(jnp.int32)
     return (nxt, new_caches), nxt
 

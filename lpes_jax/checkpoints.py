@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lpes_jax.config import LlamaConfig
+from lpes_jax.config import DTYPES, LlamaConfig
 from lpes_jax.llama import Llama
+from pope_jax.dtypes import canonical_dtype
 
 Path = tuple[str, ...]
 # Buffers some checkpoints store that carry no weights.
@@ -248,7 +249,7 @@ def _safetensors_files(folder: str) -> tuple[dict[str, str], list[str]]:
   return located, files
 
 
-def load_hf_config(folder: str, *, dtype: str = "float32", **overrides) -> LlamaConfig:
+def load_hf_config(folder: str, *, dtype: Any = "float32", **overrides) -> LlamaConfig:
   """LlamaConfig from `folder/config.json`.
 
   Raises:
@@ -257,12 +258,13 @@ def load_hf_config(folder: str, *, dtype: str = "float32", **overrides) -> Llama
   path = os.path.join(folder, "config.json")
   if not os.path.exists(path):
     raise FileNotFoundError(f"{folder}: missing config.json")
+  dtype = canonical_dtype(dtype, argument="dtype", allowed=DTYPES)
   d = _read_json(path)
   cfg = LlamaConfig.from_hf_dict(d, dtype=dtype, where=path)
   return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
-def load_hf(folder: str, *, dtype: str = "float32", **overrides) -> tuple[LlamaConfig, dict]:
+def load_hf(folder: str, *, dtype: Any = "float32", **overrides) -> tuple[LlamaConfig, dict]:
   """Loads a Hugging Face folder (config.json + model.safetensors or sharded index).
 
   With tie_word_embeddings = true an extra `lm_head.weight` is accepted and ignored (the tied
@@ -330,7 +332,7 @@ def dequantize_gguf_tensor(tensor, *, where: str = "GGUF") -> np.ndarray:
   return np.asarray(dequantize(tensor.data, qtype), dtype=np.float32)
 
 
-def load_gguf(path: str, *, dtype: str = "float32", **overrides) -> tuple[LlamaConfig, dict]:
+def load_gguf(path: str, *, dtype: Any = "float32", **overrides) -> tuple[LlamaConfig, dict]:
   """Loads a llama.cpp GGUF file: config from metadata, tensors dequantised to float32.
 
   Returns:
@@ -339,7 +341,9 @@ def load_gguf(path: str, *, dtype: str = "float32", **overrides) -> tuple[LlamaC
   Raises:
     FileNotFoundError / ValueError: unreadable or truncated file, unsupported architecture or
     quantisation type, missing / unexpected / duplicate tensors, shape mismatches.
+    TypeError / ValueError: `dtype` is not a float32/bfloat16/float16 dtype (checked first).
   """
+  dtype = canonical_dtype(dtype, argument="dtype", allowed=DTYPES)
   reader = _open_gguf(path)
   meta = gguf_metadata(reader)
   tensors: dict[str, Any] = {}
@@ -365,19 +369,22 @@ def load_gguf(path: str, *, dtype: str = "float32", **overrides) -> tuple[LlamaC
   return cfg, params
 
 
-def load_checkpoint(path: str, *, dtype: str = "float32", **overrides) -> tuple[LlamaConfig, dict]:
+def load_checkpoint(path: str, *, dtype: Any = "float32", **overrides) -> tuple[LlamaConfig, dict]:
   """(config, params) from a Hugging Face folder or a .gguf file.
 
   Args:
     path: folder with config.json, or a .gguf file.
-    dtype: parameter dtype ("float32", "bfloat16", "float16").
+    dtype: parameter dtype as JAX users write it (`jnp.float32`, `np.dtype("float16")`, "bf16",
+      ...); the config stores its canonical name.
     overrides: LlamaConfig fields to replace (e.g. attention_implementation="jax_nn").
 
   Raises:
     FileNotFoundError: path is neither a folder nor a file.
+    TypeError, ValueError: `dtype` is not a float32/bfloat16/float16 dtype (checked first).
     ValueError: a file of a Hugging Face folder (config.json, *.safetensors) instead of the
       folder, or contents that do not load (named by file and field or tensor).
   """
+  dtype = canonical_dtype(dtype, argument="dtype", allowed=DTYPES)
   if os.path.isdir(path):
     return load_hf(path, dtype=dtype, **overrides)
   if os.path.basename(path) == "config.json" or path.endswith((".safetensors", ".index.json")):

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 from lpes_jax.rope_scaling import RopeScaling
+from pope_jax.dtypes import canonical_dtype
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -35,8 +36,9 @@ class LlamaConfig:
     qkv_bias: q/k/v projections have biases (qwen2; llama `attention_bias`).
     o_bias: output projection has a bias (llama `attention_bias`; never qwen2).
     sliding_window: attend only to the last `sliding_window` positions (mistral), or None.
-    dtype: parameter and activation dtype: "float32", "bfloat16" or "float16". Norms, RoPE
-      angles, softmax and logits are float32 regardless.
+    dtype: parameter and activation dtype, as JAX users write it (`jnp.bfloat16`,
+      `np.dtype("float16")`, "bf16", ...); stored as its canonical name "float32", "bfloat16" or
+      "float16". Norms, RoPE angles, softmax and logits are float32 regardless.
     attention_implementation: "xla" (reference: `pope_jax.attention.dot_product_attention_reference`,
       float32 scores), "jax_nn" (`jax.nn.dot_product_attention` with a mask array: XLA, scores
       materialised in the model dtype) or "cudnn" (NVIDIA GPUs: cuDNN flash attention with its own
@@ -67,6 +69,8 @@ class LlamaConfig:
   pad_token_id: int | None = None
 
   def __post_init__(self):
+    object.__setattr__(self, "dtype", canonical_dtype(self.dtype, argument="dtype",
+                                                      allowed=DTYPES))
     if self.model_type not in MODEL_TYPES:
       raise ValueError(f"LlamaConfig.model_type must be one of {MODEL_TYPES}, got "
                        f"{self.model_type!r}")
@@ -83,8 +87,6 @@ class LlamaConfig:
       raise ValueError(f"LlamaConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
     if not self.rope_theta > 1:
       raise ValueError(f"LlamaConfig.rope_theta must be > 1, got {self.rope_theta}")
-    if self.dtype not in DTYPES:
-      raise ValueError(f"LlamaConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
     if self.attention_implementation not in ATTENTION_IMPLEMENTATIONS:
       raise ValueError(f"LlamaConfig.attention_implementation must be one of "
                        f"{ATTENTION_IMPLEMENTATIONS}, got {self.attention_implementation!r}")
@@ -96,7 +98,7 @@ class LlamaConfig:
                        f"{self.sliding_window}")
 
   @classmethod
-  def from_hf_dict(cls, d: dict[str, Any], *, dtype: str = "float32",
+  def from_hf_dict(cls, d: dict[str, Any], *, dtype: Any = "float32",
                    where: str = "config.json") -> LlamaConfig:
     """From a Hugging Face `config.json` dict (transformers 4.x and 5.x layouts).
 
@@ -167,7 +169,7 @@ class LlamaConfig:
       raise ValueError(f"{where}: {e}") from None
 
   @classmethod
-  def from_gguf_metadata(cls, meta: dict[str, Any], *, tied: bool, dtype: str = "float32",
+  def from_gguf_metadata(cls, meta: dict[str, Any], *, tied: bool, dtype: Any = "float32",
                          where: str = "GGUF") -> LlamaConfig:
     """From GGUF key/value metadata (`general.architecture` = llama, mistral or qwen2).
 

@@ -1,25 +1,24 @@
-"""Batched greedy decoding with a KV cache, and a command-line interface.
+"""Greedy decoding with a KV cache: the one decoder of the Llama model.
 
-`greedy_decode` is the pure function (jit- and vmap-able over `rope_multipliers`): one prefill
-over the left-padded prompts, then one token per step under `lax.while_loop` until every row has
-emitted an EOS id or `max_new_tokens` are out. `greedy_generate` wraps it for lists of token ids:
-left-pads to a length bucket (so one compilation serves all prompts of similar length) and trims
-the outputs.
+Every consumer decodes through these functions: `greedy_generate` (lists of ids),
+`lpes_jax.fitness` (LPES fitness, teacher-forced or greedy), `lpes_jax.evaluate` (the
+lost-in-the-middle evaluation) and `lpes_jax.baselines` (Attention Buckets).
 
-    python -m lpes_jax.generate --model PATH --prompt "The capital of France is"
-        [--max-new-tokens 32] [--rope-multipliers 1.0,0.9,...|FILE.json] [--chat] [--dtype ...]
+  * `prefill` / `decode_step`: one model call over the prompt / one new token, last-token logits.
+  * `greedy_tokens`: a fixed number of tokens (`lax.scan`), traceable and vmap-able over
+    `rope_multipliers`, so a population of candidates decodes in one compiled call.
+  * `greedy_decode`: stops once every row has emitted an EOS id (`lax.while_loop`).
+  * `greedy_generate`: wraps `greedy_decode` for lists of token ids: left-pads to a length bucket
+    (one compilation serves all prompts of similar length) and trims the outputs.
+  * `last_logits`: the logits of the last W positions of one forward pass (teacher forcing).
 
-Shape letters: B batch, T prompt length (padded), G max new tokens, S cache length, L layers,
-N query heads.
+Shape letters: B batch, T prompt length (padded), G max new tokens, S cache length, W window,
+V vocabulary, L layers, N query heads.
 """
 
 from __future__ import annotations
 
-import argparse
-import functools
-import json
 import math
-import sys
 from typing import Any, Sequence
 
 import jax
@@ -27,10 +26,87 @@ import jax.numpy as jnp
 import numpy as np
 
 from lpes_jax.config import LlamaConfig
-from lpes_jax.llama import Llama, init_kv_cache
+from lpes_jax.llama import KVCache, Llama, init_kv_cache
 from pope_jax import encodings
 
 Array = jax.Array
+
+
+def last_logits(config: LlamaConfig, params: Any, tokens: Array, attention_mask: Array,
+                rope_multipliers: Array | None, window: int) -> Array:
+  """Logits of the last `window` positions of one forward pass (no cache).
+
+  Args:
+    config, params: the model.
+    tokens: [B, T] int32 left-padded; attention_mask: [B, T] bool.
+    rope_multipliers: None, [], [L] or [L, N] float (traced).
+    window: W (static).
+
+  Returns:
+    [B, W, V] float32.
+  """
+  return Llama(config).apply({"params": params}, tokens, attention_mask=attention_mask,
+                             rope_multipliers=rope_multipliers, logits_to_keep=window)
+
+
+def prefill(config: LlamaConfig, params: Any, tokens: Array, attention_mask: Array,
+            rope_multipliers: Array | None, cache_len: int) -> tuple[Array, KVCache]:
+  """The prompt into a fresh KV cache of `cache_len` slots.
+
+  Returns:
+    (last-position logits [B, V] float32, the cache holding the T prompt tokens).
+  """
+  cache = init_kv_cache(config, tokens.shape[0], cache_len)
+  logits, cache = Llama(config).apply(
+      {"params": params}, tokens, attention_mask=attention_mask,
+      rope_multipliers=rope_multipliers, kv_cache=cache, logits_to_keep=1)
+  return logits[:, -1], cache
+
+
+def decode_step(config: LlamaConfig, params: Any, token: Array, cache: KVCache,
+                rope_multipliers: Array | None) -> tuple[Array, KVCache]:
+  """One new token [B] int32 through the model, appended to the cache.
+
+  Returns:
+    (its logits [B, V] float32, the extended cache).
+  """
+  logits, cache = Llama(config).apply(
+      {"params": params}, token[:, None], attention_mask=jnp.ones((token.shape[0], 1), bool),
+      rope_multipliers=rope_multipliers, kv_cache=cache, logits_to_keep=1)
+  return logits[:, -1], cache
+
+
+def _argmax(logits: Array) -> Array:
+  return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def greedy_tokens(config: LlamaConfig, params: Any, tokens: Array, attention_mask: Array,
+                  rope_multipliers: Array | None, num_new: int) -> Array:
+  """Exactly `num_new` greedy tokens after left-padded prompts (no EOS stop).
+
+  Prefill, then `lax.scan` over single-token steps: traceable, so it vmaps over candidates.
+
+  Args:
+    config, params: the model.
+    tokens: [B, T] int32 left-padded prompts; attention_mask: [B, T] bool.
+    rope_multipliers: None, [], [L] or [L, N] float (traced).
+    num_new: G (static), >= 1.
+
+  Returns:
+    [B, G] int32.
+  """
+  logits, cache = prefill(config, params, tokens, attention_mask, rope_multipliers,
+                          tokens.shape[1] + num_new)
+  first = _argmax(logits)                                                     # [B]
+
+  def step(carry, _):
+    tok, cache = carry
+    logits, cache = decode_step(config, params, tok, cache, rope_multipliers)
+    nxt = _argmax(logits)
+    return (nxt, cache), nxt
+
+  _, rest = jax.lax.scan(step, (first, cache), None, length=num_new - 1)
+  return jnp.concatenate([first[:, None], rest.T], axis=1)                   # [B, G]
 
 
 def greedy_decode(
@@ -45,7 +121,7 @@ def greedy_decode(
     pad_id: int = 0,
     cache_len: int | None = None,
 ) -> tuple[Array, Array]:
-  """Greedy continuation of left-padded prompts (prefill, then one token per step).
+  """Greedy continuation of left-padded prompts until every row has emitted an EOS id.
 
   Args:
     config: model config (static).
@@ -72,13 +148,9 @@ def greedy_decode(
   if t + max_new_tokens > cache_len:
     raise ValueError(f"prompt of {t} tokens plus max_new_tokens={max_new_tokens} does not fit a "
                      f"KV cache of {cache_len} slots")
-  model = Llama(config)
   eos_ids = jnp.asarray(eos_ids, jnp.int32).reshape(-1)
-  apply = functools.partial(model.apply, {"params": params}, rope_multipliers=rope_multipliers,
-                            last_token_only=True)
-  cache = init_kv_cache(config, b, cache_len)
-  logits, cache = apply(tokens, attention_mask=attention_mask, kv_cache=cache)
-  first = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)                # [B]
+  logits, cache = prefill(config, params, tokens, attention_mask, rope_multipliers, cache_len)
+  first = _argmax(logits)                                                     # [B]
   out = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
   done = jnp.isin(first, eos_ids)
   lengths = jnp.where(done, 1, max_new_tokens).astype(jnp.int32)
@@ -89,8 +161,8 @@ def greedy_decode(
 
   def body(state):
     i, prev, done, cache, out, lengths = state
-    logits, cache = apply(prev[:, None], attention_mask=jnp.ones((b, 1), bool), kv_cache=cache)
-    nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+    logits, cache = decode_step(config, params, prev, cache, rope_multipliers)
+    nxt = _argmax(logits)
     nxt = jnp.where(done, pad_id, nxt)
     out = out.at[:, i].set(nxt)
     hit = ~done & jnp.isin(nxt, eos_ids)
@@ -174,48 +246,3 @@ def greedy_generate(
       eos_ids=jnp.asarray(eos, jnp.int32), rope_multipliers=rope_multipliers, pad_id=pad_id)
   out, lengths = np.asarray(out), np.asarray(lengths)
   return [out[i, :lengths[i]].tolist() for i in range(len(prompts))]
-
-
-def parse_multipliers(spec: str | None) -> np.ndarray | None:
-  """"0.5" → [], "1,0.9,0.8" → [L], or a .json file holding a number, [L] or [L, N]."""
-  if spec is None:
-    return None
-  try:
-    if spec.endswith(".json"):
-      with open(spec) as fh:
-        return np.asarray(json.load(fh), np.float32)
-    values = [float(v) for v in spec.split(",")]
-  except (OSError, ValueError, TypeError) as e:
-    raise ValueError(f"--rope-multipliers {spec!r}: expected a number, a comma-separated list or "
-                     f"a .json file of numbers ({e})") from None
-  return np.asarray(values[0] if len(values) == 1 else values, np.float32)
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-  from lpes_jax import load_pretrained, load_tokenizer
-
-  parser = argparse.ArgumentParser(description="Greedy generation with a Llama-family model.")
-  parser.add_argument("--model", required=True, help="Hugging Face folder or .gguf file")
-  parser.add_argument("--prompt", required=True, action="append",
-                      help="prompt text (repeat for a batch)")
-  parser.add_argument("--max-new-tokens", type=int, default=32)
-  parser.add_argument("--rope-multipliers", default=None,
-                      help="scalar, comma-separated per-layer list, or a .json file ([L] or [L, N])")
-  parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-  args = parser.parse_args(argv)
-  multipliers = parse_multipliers(args.rope_multipliers)  # Bad input fails before the slow load.
-  _, params, config = load_pretrained(args.model, dtype=args.dtype)
-  tok = load_tokenizer(args.model)
-  prompts = [tok.encode_chat([{"role": "user", "content": p}]) if args.chat else tok.encode(p)
-             for p in args.prompt]
-  eos = tuple(dict.fromkeys(config.eos_token_ids + tok.eos_ids))
-  outs = greedy_generate(config, params, prompts, max_new_tokens=args.max_new_tokens, eos_ids=eos,
-                         rope_multipliers=multipliers)
-  for i, out in enumerate(outs):
-    header = f"[{i}] " if len(outs) > 1 else ""
-    sys.stdout.write(header + tok.decode(out) + "\n")
-
-
-if __name__ == "__main__":
-  main()

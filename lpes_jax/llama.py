@@ -204,7 +204,7 @@ class Llama(nn.Module):
       attention_mask: Array | None = None,
       rope_multipliers: Array | float | None = None,
       kv_cache: KVCache | None = None,
-      last_token_only: bool = False,
+      logits_to_keep: int | None = None,
   ):
     """Next-token logits, optionally reading and extending a KV cache.
 
@@ -215,12 +215,13 @@ class Llama(nn.Module):
       rope_multipliers: None, [], [L] or [L, N] float frequency multipliers (traced; vmap-able).
       kv_cache: None, or a cache from `init_kv_cache` (the T new tokens are written at slots
         index..index+T−1 and may attend to everything written before).
-      last_token_only: compute logits for the last position only ([B, 1, V]).
+      logits_to_keep: compute logits for the last W = logits_to_keep positions only ([B, W, V];
+        Hugging Face's argument of that name); None: all T positions.
 
     Returns:
-      logits [B, T, V] float32 without a cache; (logits, new_cache) with one. Each layer's input
-      and the final normed hidden state are sown into the "intermediates" collection as
-      "hidden_states" (apply with `mutable=["intermediates"]` to read them).
+      logits [B, T, V] ([B, W, V] with logits_to_keep) float32 without a cache; (logits,
+      new_cache) with one. Each layer's input and the final normed hidden state are sown into the
+      "intermediates" collection as "hidden_states" (apply with `mutable=["intermediates"]`).
 
     Raises:
       ValueError: tokens not 2-D; attention_mask or positions not of the tokens' shape; bad
@@ -281,8 +282,8 @@ class Llama(nn.Module):
       new_v.append(v)
     x = RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(x)
     self.sow("intermediates", "hidden_states", x)
-    if last_token_only:
-      x = x[:, -1:]
+    if logits_to_keep is not None:
+      x = x[:, -logits_to_keep:]                                              # [B, W, D]
     if cfg.tie_word_embeddings:
       logits = embed.attend(x)
     else:

@@ -8,14 +8,8 @@ re-drawn while x is not strictly increasing). A child equal to any earlier indiv
 Generation 0 is the identity curve (all s = 1) plus random valid curves. Fitness is the weighted
 mean of the accuracies on the begin/middle/end subsets.
 
-The fitness of a whole population is one jitted call (`make_fitness_fn`): `jax.vmap` over the
-candidates' multipliers, the candidate axis sharded over all local devices (a 1-D `Mesh` named
-"candidates"), examples batched within a device and looped with `lax.map`. Two modes:
-  * "teacher_forced": one forward pass over prompt + gold answer tokens; an example counts iff the
-    argmax at every answer position is the next gold token — exactly when greedy decoding would
-    produce the gold answer tokens first;
-  * "greedy": real greedy decoding (KV cache) of as many tokens as the longest answer, counted iff
-    the first answer-length generated tokens equal the answer tokens.
+The fitness function (multipliers [P, L] → subset accuracies [P, S]) comes from the caller,
+e.g. `lpes_jax.fitness.make_fitness_fn`.
 
 The state (population, fitness, history, every individual seen, numpy RNG state) is written
 atomically (temp file + os.replace) after every generation, so a run killed at any point resumes
@@ -25,8 +19,7 @@ Defaults that are this project's choice (the paper's table was unreadable; LongR
 population 32, 12 generations (generation 0 included), 16 parents, 8 + 8 children, ±2 grid steps,
 weights 1/3 each.
 
-Shape letters: P population, L layers, N heads, E examples, T tokens, W answer window, V vocabulary,
-S subsets (begin, middle, end), C control points.
+Shape letters: P population, L layers, S subsets (begin, middle, end), C control points.
 """
 
 from __future__ import annotations
@@ -36,19 +29,15 @@ import json
 import os
 import time
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Callable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lpes_jax import bezier
+from lpes_jax.fitness import SUBSETS
 from pope_jax import atomic
 from pope_jax.config import config_diff
 
-SUBSETS = ("begin", "middle", "end")
-FITNESS_MODES = ("teacher_forced", "greedy")
 STATE_FILE = "search_state.json"
 RESULTS_FILE = "results.json"
 
@@ -94,7 +83,25 @@ class SearchConfig:
       raise ValueError("SearchConfig.num_parents must be >= 2 for crossover")
     w = np.asarray(self.weights)
     if not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
-      raise ValueError(f"SearchConfig.weights must be finite, >= 0 and not all 0, got {self.weights}")
+      raise ValueError(f"SearchConfig.weights must be finite, >= 0 and not all 0, got "
+                       f"{self.weights}")
+
+
+def split_population(population: int, *, parents: int | None = None,
+                     mutations: int | None = None,
+                     crossovers: int | None = None) -> tuple[int, int, int]:
+  """(parents, mutations, crossovers) with the unset ones filled as the defaults split 32 into
+  16 / 8 / 8: half kept, the rest shared by the two operators (evenly, or all of it to the one
+  not set). The result may not add up when all three are given: `SearchConfig` checks that."""
+  parents = population // 2 if parents is None else parents
+  rest = population - parents
+  if mutations is None and crossovers is None:
+    mutations = rest // 2
+  if mutations is None:
+    mutations = rest - crossovers
+  if crossovers is None:
+    crossovers = rest - mutations
+  return parents, mutations, crossovers
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,202 +207,6 @@ def next_generation(rng: np.random.Generator, population: np.ndarray, fitness: n
       children.append(_new_individual(mutation, seen, cfg.max_redraws,
                                       "mutation in place of a crossover"))
   return parents, parent_fit, np.stack(children)
-
-
-# ----------------------------------------------------------------------------------------------
-# Batches and the sharded population fitness.
-
-
-@dataclasses.dataclass(frozen=True)
-class FitnessBatch:
-  """Search examples as left-padded token arrays (numpy).
-
-  Attributes:
-    prompt_tokens: [E, T] int32 prompts, left-padded.
-    prompt_mask: [E, T] bool, False on padding.
-    answer_tokens: [E, W] int32 gold answer tokens, right-padded with 0.
-    answer_mask: [E, W] bool, False on answer padding.
-    subset: [E] int32 index into SUBSETS.
-  """
-  prompt_tokens: np.ndarray
-  prompt_mask: np.ndarray
-  answer_tokens: np.ndarray
-  answer_mask: np.ndarray
-  subset: np.ndarray
-
-  @property
-  def num_examples(self) -> int:
-    return self.prompt_tokens.shape[0]
-
-
-def make_batch(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
-               subset: Sequence[int], *, pad_id: int = 0, max_len: int | None = None) -> FitnessBatch:
-  """Left-pads tokenised prompts and right-pads answers into a `FitnessBatch`.
-
-  Raises:
-    ValueError: empty prompt or answer, mismatched lengths, or prompt + answer longer than
-      `max_len` (the model's context).
-  """
-  if not (len(prompts) == len(answers) == len(subset)) or not prompts:
-    raise ValueError(f"need equally many (>0) prompts, answers and subset ids, got "
-                     f"{len(prompts)}, {len(answers)}, {len(subset)}")
-  T = max(len(p) for p in prompts)
-  W = max(len(a) for a in answers)
-  if min(len(p) for p in prompts) == 0 or min(len(a) for a in answers) == 0:
-    raise ValueError("prompts and answers must be non-empty token lists")
-  if max_len is not None and T + W > max_len:
-    raise ValueError(f"prompt ({T} tokens) + answer ({W}) exceeds the model's context of "
-                     f"{max_len} tokens: use fewer pairs/documents")
-  E = len(prompts)
-  tok = np.full((E, T), pad_id, np.int32)
-  mask = np.zeros((E, T), bool)
-  ans = np.zeros((E, W), np.int32)
-  amask = np.zeros((E, W), bool)
-  for e, (p, a) in enumerate(zip(prompts, answers)):
-    tok[e, T - len(p):] = p
-    mask[e, T - len(p):] = True
-    ans[e, :len(a)] = a
-    amask[e, :len(a)] = True
-  return FitnessBatch(tok, mask, ans, amask, np.asarray(subset, np.int32))
-
-
-# A forward: (params, tokens [B, T], mask [B, T], multipliers [L] or [L, N], window W) →
-# logits of the last W positions [B, W, V] (float32).
-ForwardFn = Callable[[Any, jax.Array, jax.Array, jax.Array, int], jax.Array]
-# Greedy decoding: (params, tokens [B, T], mask [B, T], multipliers, num_new) → [B, num_new] int32.
-GreedyFn = Callable[[Any, jax.Array, jax.Array, jax.Array, int], jax.Array]
-
-
-def teacher_forced_inputs(batch: FitnessBatch):
-  """Prompt + answer, the whole sequence left-padded so the answers end every row.
-
-  Returns:
-    tokens [E, T + W] int32, mask [E, T + W] bool, targets [E, W] int32 (gold answer tokens,
-    right-aligned), target_mask [E, W] bool.
-  """
-  E, T = batch.prompt_tokens.shape
-  W = batch.answer_tokens.shape[1]
-  tokens = np.zeros((E, T + W), np.int32)
-  mask = np.zeros((E, T + W), bool)
-  targets = np.zeros((E, W), np.int32)
-  tmask = np.zeros((E, W), bool)
-  for e in range(E):
-    p = batch.prompt_tokens[e][batch.prompt_mask[e]]
-    a = batch.answer_tokens[e][batch.answer_mask[e]]
-    seq = np.concatenate([p, a])
-    tokens[e, T + W - len(seq):] = seq
-    mask[e, T + W - len(seq):] = True
-    targets[e, W - len(a):] = a
-    tmask[e, W - len(a):] = True
-  return tokens, mask, targets, tmask
-
-
-def teacher_forced_correct(forward: ForwardFn, params, multipliers, tokens, mask, targets,
-                           target_mask) -> jax.Array:
-  """[E] bool: every answer token is the argmax of the logits one position earlier.
-
-  The logits at positions T+W−W−1 … T+W−2 predict the tokens at the last W positions (the answer,
-  right-aligned); padding slots of short answers are ignored.
-  """
-  W = targets.shape[1]
-  logits = forward(params, tokens[:, :-1], mask[:, :-1], multipliers, W)        # [E, W, V]
-  hit = jnp.argmax(logits, axis=-1) == targets
-  return jnp.all(hit | ~target_mask, axis=-1)
-
-
-def greedy_correct(greedy: GreedyFn, params, multipliers, prompt_tokens, prompt_mask,
-                   answer_tokens, answer_mask) -> jax.Array:
-  """[E] bool: the first answer-length greedy tokens equal the answer tokens."""
-  out = greedy(params, prompt_tokens, prompt_mask, multipliers, answer_tokens.shape[1])
-  return jnp.all((out == answer_tokens) | ~answer_mask, axis=-1)
-
-
-def candidate_mesh(devices=None) -> Mesh:
-  """A 1-D mesh named "candidates" over the given (default: all local) devices."""
-  devices = jax.local_devices() if devices is None else devices
-  return Mesh(np.asarray(devices), ("candidates",))
-
-
-def _chunks(x: np.ndarray, size: int) -> np.ndarray:
-  """[E, ...] → [ceil(E/size), size, ...], padding by repeating row 0 (masked out later)."""
-  E = x.shape[0]
-  n = -(-E // size)
-  pad = n * size - E
-  if pad:
-    x = np.concatenate([x, np.repeat(x[:1], pad, axis=0)], axis=0)
-  return x.reshape(n, size, *x.shape[1:])
-
-
-def make_fitness_fn(params, batch: FitnessBatch, *, mode: str = "teacher_forced",
-                    forward: ForwardFn | None = None, greedy: GreedyFn | None = None,
-                    example_batch: int = 8, mesh: Mesh | None = None):
-  """A function multipliers [P, L] (or [P, L, N]) → subset accuracies [P, S] (numpy float64).
-
-  The whole population is one jitted call: `jax.vmap` over candidates, the candidate axis sharded
-  over `mesh` (default: all local devices; P is padded to a multiple of the device count), the
-  examples looped in chunks of `example_batch` with `lax.map` inside each device.
-
-  Args:
-    params: model parameters (replicated on every device).
-    batch: the search examples.
-    mode: "teacher_forced" (needs `forward`) or "greedy" (needs `greedy`).
-    forward, greedy: the model's forward / greedy decoder (see ForwardFn, GreedyFn); any model
-      taking `rope_multipliers` works (Llama, the PoPE Transformer).
-    example_batch: examples per forward within a device.
-    mesh: device mesh with axis "candidates".
-
-  Raises:
-    ValueError: unknown mode, missing function, empty subset.
-  """
-  if mode not in FITNESS_MODES:
-    raise ValueError(f"mode must be one of {FITNESS_MODES}, got {mode!r}")
-  if mode == "teacher_forced" and forward is None:
-    raise ValueError("mode='teacher_forced' needs a forward function")
-  if mode == "greedy" and greedy is None:
-    raise ValueError("mode='greedy' needs a greedy decoding function")
-  mesh = candidate_mesh() if mesh is None else mesh
-  n_dev = mesh.devices.size
-  counts = np.bincount(batch.subset, minlength=len(SUBSETS)).astype(np.float32)
-  if np.any(counts == 0):
-    raise ValueError(f"every subset needs examples, got counts {dict(zip(SUBSETS, counts))}")
-  E = batch.num_examples
-  n_chunks = -(-E // example_batch)  # `_chunks` pads the last chunk: those rows do not count
-  valid = (np.arange(n_chunks * example_batch) < E).reshape(n_chunks, example_batch)
-  onehot = _chunks(np.eye(len(SUBSETS), dtype=np.float32)[batch.subset], example_batch)
-  if mode == "teacher_forced":
-    data = tuple(_chunks(a, example_batch) for a in teacher_forced_inputs(batch))
-    correct_fn = lambda p, m, d: teacher_forced_correct(forward, p, m, *d)
-  else:
-    data = tuple(_chunks(a, example_batch) for a in (
-        batch.prompt_tokens, batch.prompt_mask, batch.answer_tokens, batch.answer_mask))
-    correct_fn = lambda p, m, d: greedy_correct(greedy, p, m, *d)
-
-  def one_candidate(p, m, data, valid, onehot):                             # m: [L] or [L, N]
-    def chunk(args):
-      d, v, oh = args
-      ok = correct_fn(p, m, d) & v                                           # [chunk]
-      return jnp.einsum("e,es->s", ok.astype(jnp.float32), oh)
-    return jnp.sum(jax.lax.map(chunk, (data, valid, onehot)), axis=0) / counts   # [S]
-
-  replicated = NamedSharding(mesh, PartitionSpec())
-  by_candidate = NamedSharding(mesh, PartitionSpec("candidates"))
-  population_fn = jax.jit(
-      jax.vmap(one_candidate, in_axes=(None, 0, None, None, None)),
-      in_shardings=(replicated, by_candidate, replicated, replicated, replicated),
-      out_shardings=by_candidate)
-  params = jax.device_put(params, replicated)
-  data, valid, onehot = jax.device_put((data, valid, onehot), replicated)
-
-  def fitness(multipliers) -> np.ndarray:
-    m = np.asarray(multipliers, np.float32)
-    P = m.shape[0]
-    pad = (-P) % n_dev
-    if pad:
-      m = np.concatenate([m, np.repeat(m[:1], pad, axis=0)], axis=0)
-    out = population_fn(params, jax.device_put(m, by_candidate), data, valid, onehot)
-    return np.asarray(out, np.float64)[:P]
-
-  return fitness
 
 
 # ----------------------------------------------------------------------------------------------
@@ -607,63 +418,3 @@ def load_scales(path: str) -> np.ndarray:
 def load_multipliers(path: str) -> np.ndarray:
   """Frequency multipliers 1/s [L] float32 from a results.json."""
   return bezier.scales_to_multipliers(load_scales(path))
-
-
-# ----------------------------------------------------------------------------------------------
-# Adapters for models that take `rope_multipliers`.
-
-
-def llama_forward(model) -> ForwardFn:
-  """ForwardFn of an `lpes_jax.llama.Llama`: logits of the last W positions only (the LM head
-  is applied to the final normed hidden states of those positions, not to the whole sequence)."""
-
-  def forward(params, tokens, mask, multipliers, window):
-    _, state = model.apply({"params": params}, tokens, attention_mask=mask,
-                           rope_multipliers=multipliers, last_token_only=True,
-                           mutable=["intermediates"])
-    h = state["intermediates"]["hidden_states"][-1][:, -window:]             # [B, W, D]
-    if model.config.tie_word_embeddings:
-      w = params["embed_tokens"]["embedding"].T                              # [D, V]
-    else:
-      w = params["lm_head"]["kernel"]
-    return jnp.einsum("bwd,dv->bwv", h, w.astype(h.dtype)).astype(jnp.float32)
-
-  return forward
-
-
-def llama_greedy(model) -> GreedyFn:
-  """GreedyFn of an `lpes_jax.llama.Llama`: prefill with a KV cache, then `lax.scan` over
-  single-token steps (traceable, so it can be vmapped over candidates)."""
-  from lpes_jax.llama import init_kv_cache
-
-  def greedy(params, tokens, mask, multipliers, num_new):
-    B, T = tokens.shape
-    cache = init_kv_cache(model.config, B, T + num_new)
-    logits, cache = model.apply({"params": params}, tokens, attention_mask=mask,
-                                rope_multipliers=multipliers, kv_cache=cache,
-                                last_token_only=True)
-    first = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)             # [B]
-
-    def step(carry, _):
-      tok, cache = carry
-      logits, cache = model.apply({"params": params}, tok[:, None],
-                                  attention_mask=jnp.ones((B, 1), bool),
-                                  rope_multipliers=multipliers, kv_cache=cache,
-                                  last_token_only=True)
-      nxt = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
-      return (nxt, cache), nxt
-
-    _, rest = jax.lax.scan(step, (first, cache), None, length=num_new - 1)
-    return jnp.concatenate([first[:, None], rest.T], axis=1)                 # [B, num_new]
-
-  return greedy
-
-
-def full_logits_forward(apply_fn) -> ForwardFn:
-  """ForwardFn from any `apply_fn(params, tokens, mask, multipliers) → logits [B, T, V]` (e.g.
-  the PoPE `pope_jax.model.Transformer`): computes all logits and keeps the last W."""
-
-  def forward(params, tokens, mask, multipliers, window):
-    return apply_fn(params, tokens, mask, multipliers)[:, -window:].astype(jnp.float32)
-
-  return forward

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lpes_jax import baselines, search
+from lpes_jax import baselines, generate
 from lpes_jax.llama import Llama, init_params
 from tests.lpes_jax.test_search import TINY
 
@@ -75,7 +75,7 @@ def test_buckets_single_base_is_greedy_and_bases():
   params = init_params(TINY, jax.random.key(0), scale=0.3)
   t = jnp.asarray(np.random.default_rng(1).integers(3, 64, (2, 7)), jnp.int32)
   m = jnp.ones_like(t, bool)
-  ref = search.llama_greedy(model)(params, t, m, None, 4)
+  ref = generate.greedy_tokens(model.config, params, t, m, None, 4)
   out = baselines.buckets_greedy(TINY, (TINY.rope_theta,), params, t, m, 4)
   np.testing.assert_array_equal(out, ref)
   two = baselines.buckets_greedy(TINY, (100.0, 300.0), params, t, m, 4)

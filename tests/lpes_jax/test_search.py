@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lpes_jax import bezier, search
+from lpes_jax import bezier, fitness, search
 from lpes_jax.config import LlamaConfig
 from lpes_jax.llama import Llama, init_params
 
@@ -130,10 +130,11 @@ def test_crossovers_all_seen_fall_back_to_mutations():
 def test_fitness_counts_each_example_once(example_batch):
   # Three examples, all answered correctly, in chunks that need padding or not: the padding
   # rows (copies of the first example) must not count.
-  batch = search.make_batch([[1, 2], [1, 3], [1, 4]], [[5], [5], [5]], [0, 1, 2])
+  batch = fitness.make_batch([[1, 2], [1, 3], [1, 4]], [[5], [5], [5]], [0, 1, 2])
   forward = lambda p, t, m, mult, w: jax.nn.one_hot(jnp.full(t.shape[:1] + (w,), 5), 8)
-  fitness = search.make_fitness_fn(None, batch, forward=forward, example_batch=example_batch)
-  np.testing.assert_array_equal(fitness(np.ones((1, 2))), [[1.0, 1.0, 1.0]])
+  population_fitness = fitness.make_fitness_fn(None, batch, forward=forward,
+                                               example_batch=example_batch)
+  np.testing.assert_array_equal(population_fitness(np.ones((1, 2))), [[1.0, 1.0, 1.0]])
 
 
 def test_config_and_batch_errors():
@@ -142,42 +143,42 @@ def test_config_and_batch_errors():
   with pytest.raises(ValueError, match="weights"):
     search.SearchConfig(weights=(0, 0, 0))
   with pytest.raises(ValueError, match="exceeds the model's context"):
-    search.make_batch([[1] * 60], [[2] * 8], [0], max_len=64)
+    fitness.make_batch([[1] * 60], [[2] * 8], [0], max_len=64)
 
 
 def _tiny_batch(params, model):
   """Half the answers are the model's own greedy tokens (hits), half are random (misses)."""
   rng = np.random.default_rng(0)
   prompts = [list(rng.integers(3, 64, rng.integers(5, 12))) for _ in range(12)]
-  t, m = search.make_batch(prompts, [[1]] * 12, [0] * 12).prompt_tokens, None
-  b0 = search.make_batch(prompts, [[1]] * 12, [i % 3 for i in range(12)])
-  greedy = jax.jit(search.llama_greedy(model), static_argnums=4)
+  t, m = fitness.make_batch(prompts, [[1]] * 12, [0] * 12).prompt_tokens, None
+  b0 = fitness.make_batch(prompts, [[1]] * 12, [i % 3 for i in range(12)])
+  greedy = jax.jit(fitness.llama_fitness_fns(model.config)[1], static_argnums=4)
   out = np.asarray(greedy(params, b0.prompt_tokens, b0.prompt_mask, None, 3))
   answers = [list(out[i, :2 + i % 2]) if i % 2 == 0 else list(rng.integers(3, 64, 3))
              for i in range(12)]
-  return search.make_batch(prompts, answers, [i % 3 for i in range(12)])
+  return fitness.make_batch(prompts, answers, [i % 3 for i in range(12)])
 
 
 def test_teacher_forced_equals_greedy():
   model = Llama(TINY)
   params = init_params(TINY, jax.random.key(1), scale=0.3)
   batch = _tiny_batch(params, model)
-  forward, greedy = search.llama_forward(model), search.llama_greedy(model)
+  forward, greedy = fitness.llama_fitness_fns(model.config)
   mults = np.stack([np.ones(4), 1 / np.array([1.0, 1.5, 2.0, 1.2]), np.full(4, 0.5)])
-  tf_inputs = search.teacher_forced_inputs(batch)
+  tf_inputs = fitness.teacher_forced_inputs(batch)
   hits = []
   for m in mults:
-    tf = np.asarray(search.teacher_forced_correct(forward, params, jnp.asarray(m, jnp.float32),
+    tf = np.asarray(fitness.teacher_forced_correct(forward, params, jnp.asarray(m, jnp.float32),
                                                   *map(jnp.asarray, tf_inputs)))
-    gr = np.asarray(search.greedy_correct(
+    gr = np.asarray(fitness.greedy_correct(
         greedy, params, jnp.asarray(m, jnp.float32), batch.prompt_tokens, batch.prompt_mask,
         batch.answer_tokens, batch.answer_mask))
     np.testing.assert_array_equal(tf, gr)
     hits.append(tf)
   assert hits[0][0::2].all() and not hits[0][1::2].any()           # identity: own tokens hit
-  acc_tf = search.make_fitness_fn(params, batch, mode="teacher_forced", forward=forward,
+  acc_tf = fitness.make_fitness_fn(params, batch, mode="teacher_forced", forward=forward,
                                   example_batch=5)(mults)
-  acc_gr = search.make_fitness_fn(params, batch, mode="greedy", greedy=greedy,
+  acc_gr = fitness.make_fitness_fn(params, batch, mode="greedy", greedy=greedy,
                                   example_batch=5)(mults)
   np.testing.assert_allclose(acc_tf, acc_gr)
   assert acc_tf.shape == (3, 3) and acc_tf[0].sum() > 0
@@ -187,16 +188,17 @@ SHARDED = textwrap.dedent("""
   import os, sys, numpy as np, jax
   sys.path.insert(0, os.getcwd())
   from tests.lpes_jax.test_search import TINY, _tiny_batch
-  from lpes_jax import search
+  from lpes_jax import fitness
   from lpes_jax.llama import Llama, init_params
   assert jax.device_count() == 4, jax.devices()
   model = Llama(TINY)
   params = init_params(TINY, jax.random.key(1), scale=0.3)
   batch = _tiny_batch(params, model)
   mults = 1 / np.random.default_rng(0).uniform(1, 2, (6, 4))          # 6 candidates on 4 devices
-  f4 = search.make_fitness_fn(params, batch, forward=search.llama_forward(model), example_batch=4)
-  f1 = search.make_fitness_fn(params, batch, forward=search.llama_forward(model), example_batch=4,
-                              mesh=search.candidate_mesh(jax.devices()[:1]))
+  forward = fitness.llama_fitness_fns(TINY)[0]
+  f4 = fitness.make_fitness_fn(params, batch, forward=forward, example_batch=4)
+  f1 = fitness.make_fitness_fn(params, batch, forward=forward, example_batch=4,
+                               mesh=fitness.candidate_mesh(jax.devices()[:1]))
   np.testing.assert_allclose(f4(mults), f1(mults))
   print("OK", f4(mults).shape)
 """)
@@ -226,8 +228,8 @@ def test_pope_model_per_layer_multipliers():
   assert not np.allclose(apply(params, tokens, None, jnp.array([1.0, 1.0, 0.5])), base, atol=1e-4)
   # The population fitness is model-agnostic: the PoPE apply through full_logits_forward.
   answers = [list(np.asarray(jnp.argmax(base[i, -1:], -1))) for i in range(6)]
-  batch = search.make_batch([list(np.asarray(t[:-1])) for t in tokens], answers,
+  batch = fitness.make_batch([list(np.asarray(t[:-1])) for t in tokens], answers,
                             [i % 3 for i in range(6)])
-  acc = search.make_fitness_fn(params, batch, forward=search.full_logits_forward(apply),
+  acc = fitness.make_fitness_fn(params, batch, forward=fitness.full_logits_forward(apply),
                                example_batch=2)(np.stack([np.ones(3), [1.0, 0.5, 0.25]]))
   assert acc.shape == (2, 3) and np.all((acc >= 0) & (acc <= 1))

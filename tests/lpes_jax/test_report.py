@@ -1,0 +1,35 @@
+"""results.md of the LPES experiments say what ran, the chance level and the paper's number."""
+
+from lpes_jax import report
+
+ARGS = dict(model="smol.gguf", dtype="float32", chat=False, task="kv", num_pairs=6, key_length=4,
+            value_length=4, mdqa_file=None, seed=1, max_new_tokens=8, scales="r.json",
+            pi_scale=1.5)
+
+
+def test_eval_results_md():
+  record = {"method": "lpes", "task": "kv", "accuracy": {"0": 0.81, "2": 0.23},
+            "num_examples": 100, "num_items": 6, "seconds_per_batch_median": 0.039,
+            "batch_size": 100, "args": ARGS, "device": "cpu", "num_devices": 1,
+            "versions": {"jax": "0"}, "date": "today"}
+  md = report.eval_results_md(record)
+  for text in ("smol.gguf", "6 pairs, 4-character keys", "per gold position: 100",
+               "1/6 = 0.167", "+11.2 %", "What to expect", "| lpes | 0.810 | 0.230 |",
+               "`r.json`"):
+    assert text in md, text
+
+
+def test_search_results_md():
+  record = {"args": dict(ARGS, num_examples=200, seed=0, mode="teacher_forced",
+                         answer_prefix=' "'),
+            "search": {"weights": [1 / 3] * 3, "population_size": 32, "num_generations": 12,
+                       "num_parents": 16, "num_mutations": 8, "num_crossovers": 8, "seed": 0},
+            "bezier": {"grid": [1.0, 1.5, 2.0], "num_control_points": 4},
+            "subset_accuracy": {"begin": 0.7, "middle": 0.2, "end": 0.1}, "fitness": 0.33,
+            "scales": [1.0, 1.2], "history": [{"best_fitness": 0.3,
+                                               "best_subset_accuracy": [0.6, 0.2, 0.1]}]}
+  md = report.search_results_md(record)
+  for text in ("Search examples: 200", "population 32, 12 generations", "Chance level",
+               "+11.2 %", "What to expect", "| best | 0.330 | 0.700 | 0.200 | 0.100 |",
+               "not held-out"):
+    assert text in md, text
