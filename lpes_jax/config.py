@@ -97,7 +97,6 @@ class LlamaConfig:
       raise ValueError(f"LlamaConfig.sliding_window must be positive or None, got "
                        f"{self.sliding_window}")
 
-
   @classmethod
   def from_hf_dict(cls, d: dict[str, Any], *, dtype: str = "float32",
                    source: str = "config.json") -> LlamaConfig:
