@@ -4,8 +4,9 @@ The lock file holds JSON {"pid", "host", "started"} and appears atomically with 
 written under a unique temp name, then hard-linked to `.lock` (the link fails if `.lock` exists).
 A second writer refuses at once with `RunLockedError`, naming the holder. A lock whose holder ran
 on this host and is no longer alive (`os.kill(pid, 0)` finds no process) was left by a killed run:
-it is taken over with a warning. A lock from another host is never taken over automatically: the
-error says which file to remove once that run is known to be gone.
+it is taken over with a warning. A lock from another host (or another pid namespace, i.e. another
+container, on Linux) is never taken over automatically: the error says which file to remove once
+that run is known to be gone.
 
 Taking over a stale lock is serialised by a guard file (`.lock.takeover`, created with O_EXCL): the
 holder of the guard re-reads the lock and removes it only if it is still the stale one it judged,
@@ -98,8 +99,8 @@ def _now() -> str:
 
 def _acquire(folder: str, lock_path: str) -> bytes:
   """Takes the lock; returns the bytes written (to recognise our own lock at release)."""
-  mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                     "started": _now()}).encode()
+  mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": _now(),
+                     "pid_namespace": _pid_namespace()}).encode()
   deadline = time.monotonic() + _TAKEOVER_WAIT_S
   while True:
     if _create(folder, lock_path, mine):
@@ -196,9 +197,23 @@ def _parse(raw: bytes) -> dict | None:
   return holder
 
 
+def _pid_namespace() -> int | None:
+  """This process's pid namespace (Linux): a container's pids are not judged from another."""
+  try:
+    return os.stat("/proc/self/ns/pid").st_ino
+  except OSError:
+    return None
+
+
+def _same_machine(holder: dict) -> bool:
+  """The holder's pid means the same process here: same host name and pid namespace (if known)."""
+  theirs, ours = holder.get("pid_namespace"), _pid_namespace()
+  return holder["host"] == socket.gethostname() and (None in (theirs, ours) or theirs == ours)
+
+
 def _is_stale(holder: dict) -> bool:
-  """The holder ran on this host and its process is gone. Other hosts: never judged stale."""
-  if holder["host"] != socket.gethostname():
+  """The holder ran here (`_same_machine`) and its process is gone; else never judged stale."""
+  if not _same_machine(holder):
     return False
   try:
     os.kill(holder["pid"], 0)
@@ -249,8 +264,9 @@ def _describe(holder: dict) -> str:
 
 
 def _locked_message(folder: str, lock_path: str, holder: dict) -> str:
-  if holder["host"] != socket.gethostname():
-    return (f"run folder {folder} is locked by a run on another host ({_describe(holder)}); "
+  if not _same_machine(holder):
+    return (f"run folder {folder} is locked by a run on another host or container "
+            f"({_describe(holder)}); "
             f"use another folder, or, once that run is known to be gone, remove {lock_path} and "
             f"start again")
   return (f"run folder {folder} is in use by another run ({_describe(holder)}); wait for it to "

@@ -133,11 +133,24 @@ def test_racing_takeovers_of_a_stale_lock_leave_one_holder(tmp_path):
 def test_lock_from_another_host_is_never_taken_over(tmp_path):
   holder = {"pid": _dead_pid(), "host": "elsewhere.example", "started": "2026-01-02T03:04:05"}
   (tmp_path / LOCK_NAME).write_text(json.dumps(holder))
-  with pytest.raises(RunLockedError, match="another host .pid .* on host elsewhere.example, "
-                                           "started 2026-01-02T03:04:05.*remove .*/.lock") as e:
+  with pytest.raises(RunLockedError, match="another host or container .pid .* on host "
+                                           "elsewhere.example, started 2026-01-02T03:04:05.*"
+                                           "remove .*/.lock") as e:
     with run_lock(tmp_path):
       pass
   assert e.value.holder == holder and e.value.folder == str(tmp_path)
+  assert json.loads((tmp_path / LOCK_NAME).read_text()) == holder
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/ns/pid"), reason="no pid namespaces")
+def test_lock_from_another_pid_namespace_is_never_taken_over(tmp_path):
+  other = os.stat("/proc/self/ns/pid").st_ino + 1
+  holder = {"pid": _dead_pid(), "host": socket.gethostname(), "started": "2026-01-02T03:04:05",
+            "pid_namespace": other}
+  (tmp_path / LOCK_NAME).write_text(json.dumps(holder))
+  with pytest.raises(RunLockedError, match="another host or container"):
+    with run_lock(tmp_path):
+      pass
   assert json.loads((tmp_path / LOCK_NAME).read_text()) == holder
 
 
