@@ -163,11 +163,22 @@ def _check_names(specs: list[TensorSpec], available: set[str], ignorable: set[st
 
 
 def convert(specs: list[TensorSpec], get: Callable[[str], np.ndarray], cfg: LlamaConfig,
-            where: str) -> dict[str, Any]:
-  """Builds the params tree tensor by tensor: load, assert shape, transform, cast, to device.
+            where: str, *, locate: Callable[[str], str] | None = None) -> dict[str, Any]:
+  """Builds the params tree tensor by tensor: load, assert shape and dtype, transform, cast.
+
+  Floating-point tensors of any precision are cast to `cfg.dtype`; integer, boolean or complex
+  tensors are refused (quantised or corrupt checkpoints, not weights to cast silently).
+
+  Args:
+    specs: the name map, in load order.
+    get: tensor name → numpy array.
+    cfg: the model config (`cfg.dtype` is the parameter dtype).
+    where: the checkpoint, named in errors.
+    locate: tensor name → the file holding it, named in dtype errors (default: `where`).
 
   Raises:
-    ValueError: a tensor's shape differs from the spec (names tensor, expected, got).
+    ValueError: a tensor's shape differs from the spec (names tensor, expected, got), or its dtype
+      is not floating point (names tensor, dtype and file).
   """
   dtype = jnp.dtype(cfg.dtype)
   params: dict[str, Any] = {}
@@ -176,6 +187,10 @@ def convert(specs: list[TensorSpec], get: Callable[[str], np.ndarray], cfg: Llam
     if tuple(w.shape) != spec.shape:
       raise ValueError(f"{where}: tensor {spec.name!r} has shape {tuple(w.shape)}, expected "
                        f"{spec.shape}")
+    if not jnp.issubdtype(w.dtype, jnp.floating):
+      raise ValueError(f"{locate(spec.name) if locate else where}: tensor {spec.name!r} has "
+                       f"dtype {w.dtype}; weights must be floating point (they are cast to "
+                       f"{cfg.dtype})")
     w = _apply_transform(np.asarray(w), spec, cfg)
     node = params
     for key in spec.path[:-1]:
@@ -260,7 +275,7 @@ def load_hf_config(folder: str, *, dtype: Any = "float32", **overrides) -> Llama
     raise FileNotFoundError(f"{folder}: missing config.json")
   dtype = canonical_dtype(dtype, argument="dtype", allowed=DTYPES)
   d = _read_json(path)
-  cfg = LlamaConfig.from_hf_dict(d, dtype=dtype, where=path)
+  cfg = LlamaConfig.from_hf_dict(d, dtype=dtype, source=path)
   return dataclasses.replace(cfg, **overrides) if overrides else cfg
 
 
@@ -288,7 +303,8 @@ def load_hf(folder: str, *, dtype: Any = "float32", **overrides) -> tuple[LlamaC
   _check_names(specs, set(located), ignorable, folder)
   handles = {f: safe_open(os.path.join(folder, f), framework="numpy") for f in files}
   try:
-    params = convert(specs, lambda name: handles[located[name]].get_tensor(name), cfg, folder)
+    params = convert(specs, lambda name: handles[located[name]].get_tensor(name), cfg, folder,
+                     locate=lambda name: os.path.join(folder, located[name]))
   finally:
     handles.clear()
   _check_tree(params, cfg)
@@ -355,7 +371,7 @@ def load_gguf(path: str, *, dtype: Any = "float32", **overrides) -> tuple[LlamaC
     raise ValueError(f"{path}: per-frequency RoPE factors (rope_freqs.weight, llama3 scaling) "
                      f"are not supported for GGUF")
   cfg = LlamaConfig.from_gguf_metadata(meta, tied="output.weight" not in tensors, dtype=dtype,
-                                       where=path)
+                                       source=path)
   if overrides:
     cfg = dataclasses.replace(cfg, **overrides)
   specs = gguf_name_map(cfg)

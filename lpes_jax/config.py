@@ -10,9 +10,11 @@ Shape letters: D model width, N query heads, K kv heads, H head dim, L layers, V
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import math
+import numbers
+from typing import Any, Mapping
 
-from lpes_jax.rope_scaling import RopeScaling
+from lpes_jax.rope_scaling import SUPPORTED_ROPE_TYPES, RopeScaling
 from pope_jax.dtypes import canonical_dtype
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -99,125 +101,255 @@ class LlamaConfig:
 
   @classmethod
   def from_hf_dict(cls, d: dict[str, Any], *, dtype: Any = "float32",
-                   where: str = "config.json") -> LlamaConfig:
+                   source: str = "config.json") -> LlamaConfig:
     """From a Hugging Face `config.json` dict (transformers 4.x and 5.x layouts).
 
     RoPE: either `rope_theta` + `rope_scaling` (4.x; `type` or `rope_type`) or `rope_parameters`
-    (5.x, holding `rope_theta` and the scaling fields).
+    (5.x, holding `rope_theta` and the scaling fields). Every field read is type-checked as JSON
+    writes it: booleans are true/false (never "false" or 0), numbers are finite JSON numbers,
+    integers are integers (not 4.0, not true). Fields that are not read are not checked.
+
+    Args:
+      d: the parsed config.json.
+      dtype: parameter dtype.
+      source: where `d` came from (the file path), named in every error.
 
     Raises:
-      ValueError: unknown model_type, unsupported activation / rope type / mlp_bias, naming the
-        field and `where`.
+      ValueError: naming `source` and the field: a missing required field; a field of the wrong
+        type or out of range; unknown model_type; unsupported activation, rope type, mlp_bias or
+        partial rotary factor; a combination the dataclass refuses.
     """
-    if "model_type" not in d:
-      raise ValueError(f"{where}: missing required field 'model_type' (one of {MODEL_TYPES})")
-    model_type = d["model_type"]
+    f = _Fields(d, source)
+    model_type = f.string("model_type")
     if model_type not in MODEL_TYPES:
-      raise ValueError(f"{where}: model_type {model_type!r} is not supported; supported: "
+      raise ValueError(f"{source}: model_type {model_type!r} is not supported; supported: "
                        f"{MODEL_TYPES}")
-    act = d.get("hidden_act", "silu")
+    act = f.string("hidden_act", "silu")
     if act != "silu":
-      raise ValueError(f"{where}: hidden_act {act!r} is not supported (only 'silu')")
-    if d.get("mlp_bias", False):
-      raise ValueError(f"{where}: mlp_bias=true is not supported")
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads"):
-      if d.get(key) is None:
-        raise ValueError(f"{where}: missing required field {key!r}")
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim",
-                "max_position_embeddings"):
-      value = d.get(key)
-      if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                or value <= 0):
-        raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}")
-    rope_params = d.get("rope_parameters")
-    if rope_params is not None:
-      if "rope_theta" not in rope_params and all(isinstance(v, dict) for v in rope_params.values()):
-        raise ValueError(f"{where}: per-layer-type rope_parameters are not supported")
-      rope_theta = float(rope_params.get("rope_theta", d.get("rope_theta", 10000.0)))
-      scaling = RopeScaling.from_dict(rope_params, where=f"{where}: rope_parameters")
-    else:
-      rope_theta = float(d.get("rope_theta", 10000.0))
-      rs = d.get("rope_scaling")
-      scaling = None if rs is None else RopeScaling.from_dict(rs, where=f"{where}: rope_scaling")
-    if d.get("partial_rotary_factor", 1.0) != 1.0:
-      raise ValueError(f"{where}: partial_rotary_factor != 1 is not supported")
-    n = int(d["num_attention_heads"])
-    head_dim = d.get("head_dim") or d["hidden_size"] // n
+      raise ValueError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+    if f.boolean("mlp_bias", False):
+      raise ValueError(f"{source}: mlp_bias=true is not supported")
+    sizes = {key: f.integer(key, positive=True) for key in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads")}
+    n = sizes["num_attention_heads"]
+    kv = f.integer("num_key_value_heads", None, nullable=True, positive=True)
+    head_dim = f.integer("head_dim", None, nullable=True, positive=True)
+    max_pos = f.integer("max_position_embeddings", None, nullable=True, positive=True)
+    rope_theta, scaling = _hf_rope(f)
+    if f.number("partial_rotary_factor", 1.0) != 1.0:
+      raise ValueError(f"{source}: partial_rotary_factor != 1 is not supported")
     if model_type == "qwen2":
       qkv_bias, o_bias = True, False
-      window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
+      use_window = f.boolean("use_sliding_window", False)
     else:
-      qkv_bias = o_bias = bool(d.get("attention_bias", False))
-      window = d.get("sliding_window") if model_type == "mistral" else None
-    eos = d.get("eos_token_id")
-    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
-    try:  # The dataclass checks combinations (e.g. heads); name the file.
+      qkv_bias = o_bias = f.boolean("attention_bias", False)
+      use_window = model_type == "mistral"
+    window = (f.integer("sliding_window", None, nullable=True, positive=True) if use_window
+              else None)
+    fields = dict(
+        rms_norm_eps=f.number("rms_norm_eps", 1e-6),
+        tie_word_embeddings=f.boolean("tie_word_embeddings", False),
+        bos_token_id=f.integer("bos_token_id", None, nullable=True),
+        eos_token_ids=f.integers("eos_token_id"),
+        pad_token_id=f.integer("pad_token_id", None, nullable=True))
+    try:  # The dataclass checks ranges and combinations (e.g. heads); name the file.
       return cls(
-          model_type=model_type, vocab_size=int(d["vocab_size"]),
-          hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
-          num_layers=int(d["num_hidden_layers"]), num_heads=n,
-          num_kv_heads=int(d.get("num_key_value_heads") or n), head_dim=int(head_dim),
-          rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
-          rope_scaling=scaling,
-          max_position_embeddings=int(d.get("max_position_embeddings") or 4096),
-          tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
-          o_bias=o_bias, sliding_window=window, dtype=dtype, bos_token_id=d.get("bos_token_id"),
-          eos_token_ids=eos_ids, pad_token_id=d.get("pad_token_id"))
+          model_type=model_type, vocab_size=sizes["vocab_size"],
+          hidden_size=sizes["hidden_size"], intermediate_size=sizes["intermediate_size"],
+          num_layers=sizes["num_hidden_layers"], num_heads=n, num_kv_heads=kv or n,
+          head_dim=head_dim or sizes["hidden_size"] // n, rope_theta=rope_theta,
+          rope_scaling=scaling, max_position_embeddings=max_pos or 4096, qkv_bias=qkv_bias,
+          o_bias=o_bias, sliding_window=window, dtype=dtype, **fields)
     except ValueError as e:
-      raise ValueError(f"{where}: {e}") from None
+      raise ValueError(f"{source}: {e}") from None
 
   @classmethod
   def from_gguf_metadata(cls, meta: dict[str, Any], *, tied: bool, dtype: Any = "float32",
-                         where: str = "GGUF") -> LlamaConfig:
+                         source: str = "GGUF metadata") -> LlamaConfig:
     """From GGUF key/value metadata (`general.architecture` = llama, mistral or qwen2).
+
+    GGUF values are typed; each key read must hold the kind meant (an integer for counts, a
+    number for epsilons and bases, a string for types), so a file written with, e.g., a float or
+    string block count is refused rather than rounded or parsed.
 
     Args:
       meta: field name → value (e.g. "llama.block_count" → 30).
       tied: whether the file lacks an `output.weight` tensor (tied LM head).
+      dtype: parameter dtype.
+      source: where `meta` came from (the file path), named in every error.
 
     Raises:
-      ValueError: unknown architecture, missing key, or unsupported rope scaling.
+      ValueError: naming `source` and the key: unknown architecture, missing key, a value of the
+        wrong type, unsupported rope scaling or partial rotary embedding, a combination the
+        dataclass refuses.
     """
     arch = meta.get("general.architecture")
     if arch not in MODEL_TYPES:
-      raise ValueError(f"{where}: general.architecture {arch!r} is not supported; supported: "
+      raise ValueError(f"{source}: general.architecture {arch!r} is not supported; supported: "
                        f"{MODEL_TYPES}")
-
-    def get(key, default=None, required=True):
-      full = f"{arch}.{key}"
-      if full not in meta:
-        if required and default is None:
-          raise ValueError(f"{where}: missing metadata key {full!r}")
-        return default
-      return meta[full]
-
-    d = int(get("embedding_length"))
-    n = int(get("attention.head_count"))
-    kv = int(get("attention.head_count_kv", n))
-    head_dim = int(get("attention.key_length", get("rope.dimension_count", d // n)))
-    if head_dim != int(get("rope.dimension_count", head_dim)):
-      raise ValueError(f"{where}: partial rotary embedding (rope.dimension_count != head dim) is "
-                       f"not supported")
-    scaling = None
-    rtype = get("rope.scaling.type", required=False)
-    if rtype not in (None, "none"):
-      if rtype != "linear":
-        raise ValueError(f"{where}: {arch}.rope.scaling.type {rtype!r} is not supported")
-      scaling = RopeScaling(rope_type="linear", factor=float(get("rope.scaling.factor")))
-    vocab = meta.get(f"{arch}.vocab_size")
+    f = _Fields(meta, source, noun="metadata key")
+    d = f.integer(f"{arch}.embedding_length", positive=True)
+    n = f.integer(f"{arch}.attention.head_count", positive=True)
+    rope_dim = f.integer(f"{arch}.rope.dimension_count", None, positive=True)
+    head_dim = f.integer(f"{arch}.attention.key_length",
+                         rope_dim if rope_dim is not None else d // n, positive=True)
+    if rope_dim is not None and rope_dim != head_dim:
+      raise ValueError(f"{source}: partial rotary embedding (rope.dimension_count != head dim) "
+                       f"is not supported")
+    rtype = f.string(f"{arch}.rope.scaling.type", None)
+    if rtype not in (None, "none", "linear"):
+      raise ValueError(f"{source}: {arch}.rope.scaling.type {rtype!r} is not supported")
+    factor = f.number(f"{arch}.rope.scaling.factor") if rtype == "linear" else None
+    vocab = f.integer(f"{arch}.vocab_size", None, positive=True)
     if vocab is None:
+      if "tokenizer.ggml.tokens" not in meta:
+        raise ValueError(f"{source}: missing required metadata key '{arch}.vocab_size' (and no "
+                         f"tokenizer.ggml.tokens to count)")
       vocab = len(meta["tokenizer.ggml.tokens"])
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    return cls(
-        model_type=arch, vocab_size=int(vocab), hidden_size=d,
-        intermediate_size=int(get("feed_forward_length")), num_layers=int(get("block_count")),
-        num_heads=n, num_kv_heads=kv, head_dim=head_dim,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
-        max_position_embeddings=int(get("context_length", 4096)), tie_word_embeddings=tied,
-        qkv_bias=arch == "qwen2", o_bias=False, dtype=dtype,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"))
+    eos = f.integer("tokenizer.ggml.eos_token_id", None)
+    fields = dict(
+        intermediate_size=f.integer(f"{arch}.feed_forward_length", positive=True),
+        num_layers=f.integer(f"{arch}.block_count", positive=True),
+        num_kv_heads=f.integer(f"{arch}.attention.head_count_kv", n, positive=True),
+        rms_norm_eps=f.number(f"{arch}.attention.layer_norm_rms_epsilon"),
+        rope_theta=f.number(f"{arch}.rope.freq_base", 10000.0),
+        max_position_embeddings=f.integer(f"{arch}.context_length", 4096, positive=True),
+        bos_token_id=f.integer("tokenizer.ggml.bos_token_id", None),
+        eos_token_ids=() if eos is None else (eos,),
+        pad_token_id=f.integer("tokenizer.ggml.padding_token_id", None))
+    try:  # The dataclasses check ranges and combinations (e.g. heads); name the file.
+      scaling = None if factor is None else RopeScaling(rope_type="linear", factor=factor)
+      return cls(model_type=arch, vocab_size=vocab, hidden_size=d, num_heads=n,
+                 head_dim=head_dim, rope_scaling=scaling, tie_word_embeddings=tied,
+                 qkv_bias=arch == "qwen2", o_bias=False, dtype=dtype, **fields)
+    except ValueError as e:
+      raise ValueError(f"{source}: {e}") from None
+
+
+_REQUIRED = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fields:
+  """Typed reads of one config mapping; every error names the source file and the field.
+
+  A field that is absent takes its default (absent with no default: "missing required"). JSON null
+  is accepted only where `nullable` (it then reads as None); otherwise it is a type error.
+  """
+  values: Mapping[str, Any]
+  source: str
+  prefix: str = ""        # How nested fields are named, e.g. "rope_scaling.".
+  noun: str = "field"
+
+  def _raw(self, key: str, default: Any, nullable: bool) -> tuple[bool, Any]:
+    """(present, value): present is False when the default (or None for null) applies."""
+    if key not in self.values or (self.values[key] is None and default is _REQUIRED):
+      if default is _REQUIRED:
+        null = " (it is null)" if key in self.values else ""
+        raise ValueError(f"{self.source}: missing required {self.noun} "
+                         f"'{self.prefix}{key}'{null}")
+      return False, default
+    if self.values[key] is None and nullable:
+      return False, None
+    return True, self.values[key]
+
+  def error(self, key: str, expected: str, value: Any) -> ValueError:
+    return ValueError(f"{self.source}: {self.noun} '{self.prefix}{key}' must be {expected}, got "
+                      f"{_show(value)}")
+
+  def integer(self, key: str, default: Any = _REQUIRED, *, nullable: bool = False,
+              positive: bool = False) -> int | None:
+    present, value = self._raw(key, default, nullable)
+    if not present:
+      return value
+    if not _is_int(value) or (positive and value <= 0):
+      raise self.error(key, "a positive integer" if positive else "an integer", value)
+    return int(value)
+
+  def integers(self, key: str) -> tuple[int, ...]:
+    """An integer or a list of integers (e.g. eos_token_id); absent or null: ()."""
+    value = self.values.get(key)
+    if value is None:
+      return ()
+    items = value if isinstance(value, list) else [value]
+    if not all(_is_int(v) for v in items):
+      raise self.error(key, "an integer or a list of integers", value)
+    return tuple(int(v) for v in items)
+
+  def number(self, key: str, default: Any = _REQUIRED, *, nullable: bool = False
+             ) -> float | None:
+    present, value = self._raw(key, default, nullable)
+    if not present:
+      return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+      raise self.error(key, "a number", value)
+    if not math.isfinite(value):
+      raise self.error(key, "a finite number", value)
+    return float(value)
+
+  def boolean(self, key: str, default: Any = _REQUIRED) -> bool:
+    present, value = self._raw(key, default, False)
+    if present and not isinstance(value, bool):
+      raise self.error(key, "a boolean (true or false)", value)
+    return value
+
+  def string(self, key: str, default: Any = _REQUIRED) -> str | None:
+    present, value = self._raw(key, default, False)
+    if present and not isinstance(value, str):
+      raise self.error(key, "a string", value)
+    return value
+
+  def mapping(self, key: str) -> _Fields | None:
+    """A nested object (absent or null: None), read with the same source and a dotted name."""
+    present, value = self._raw(key, None, True)
+    if not present:
+      return None
+    if not isinstance(value, Mapping):
+      raise self.error(key, "an object", value)
+    return _Fields(value, self.source, f"{self.prefix}{key}.", self.noun)
+
+
+def _is_int(value: Any) -> bool:
+  """An integer that is not a boolean (numpy integers from GGUF included)."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _show(value: Any) -> str:
+  """A value as its file wrote it: null / true / false for JSON's, repr otherwise."""
+  if value is None:
+    return "null"
+  if isinstance(value, bool):
+    return "true" if value else "false"
+  return repr(value)
+
+
+def _hf_rope(f: _Fields) -> tuple[float, RopeScaling | None]:
+  """(rope_theta, scaling) from `rope_parameters` (transformers 5) or `rope_theta` +
+  `rope_scaling` (4.x), type-checked before `RopeScaling.from_dict` converts them."""
+  params = f.mapping("rope_parameters")
+  if params is not None:
+    if "rope_theta" not in params.values and params.values and all(
+        isinstance(v, Mapping) for v in params.values.values()):
+      raise ValueError(f"{f.source}: per-layer-type rope_parameters are not supported")
+    theta = params.number("rope_theta", None)
+    rope = params
+  else:
+    theta, rope = None, f.mapping("rope_scaling")
+  if theta is None:
+    theta = f.number("rope_theta", 10000.0)
+  if rope is None:
+    return theta, None
+  type_key = "rope_type" if "rope_type" in rope.values else "type"
+  rope_type = rope.string(type_key, None)
+  if rope_type in SUPPORTED_ROPE_TYPES and rope_type != "default":
+    rope.number("factor", None)
+    rope.number("low_freq_factor", None, nullable=True)
+    rope.number("high_freq_factor", None, nullable=True)
+    rope.integer("original_max_position_embeddings", None, nullable=True, positive=True)
+  where = f"{f.source}: {rope.prefix[:-1]}"
+  try:
+    return theta, RopeScaling.from_dict(dict(rope.values), where=where)
+  except ValueError as e:  # from_dict names `where`; RopeScaling's own range checks do not.
+    message = str(e)
+    raise ValueError(message if message.startswith(where) else f"{where}: {message}") from None

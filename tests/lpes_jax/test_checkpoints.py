@@ -105,8 +105,10 @@ def test_bad_hf_folders(tmp_path):
 @pytest.mark.parametrize("edit, message", [
     (lambda c: c.pop("model_type"), "missing required field 'model_type'"),
     (lambda c: c.update(vocab_size=None), "missing required field 'vocab_size'"),
-    (lambda c: c.update(hidden_size="64"), "hidden_size must be a positive integer, got '64'"),
-    (lambda c: c.update(num_hidden_layers=4.7), "num_hidden_layers must be a positive integer"),
+    (lambda c: c.update(hidden_size="64"),
+     "field 'hidden_size' must be a positive integer, got '64'"),
+    (lambda c: c.update(num_hidden_layers=4.7),
+     "field 'num_hidden_layers' must be a positive integer, got 4.7"),
     (lambda c: c.update(num_attention_heads=5), "num_heads=5"),
 ])
 def test_bad_config_fields_are_named_with_the_file(tmp_path, edit, message):
