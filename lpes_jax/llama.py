@@ -29,7 +29,6 @@ H head dim, F MLP width, V vocabulary, L layers.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -55,9 +54,9 @@ def init_kv_cache(config: LlamaConfig, batch: int, max_len: int, dtype: Any = No
     dtype: cache dtype (default: the model dtype).
 
   Returns:
-    dict: "k", "v": tuples of L arrays [B, S, K, H] (raw keys: `rope_attention` rotates them); "positions": [B, S]
-    int32; "valid": [B, S] bool (False for pads and unwritten slots); "index": [] int32, the
-    number of slots written.
+    dict: "k", "v": tuples of L arrays [B, S, K, H] (raw keys, before RoPE: `rope_attention`
+    rotates them in each call); "positions": [B, S] int32; "valid": [B, S] bool (False for pads
+    and unwritten slots); "index": [] int32, the number of slots written.
   """
   dtype = jnp.dtype(dtype or config.dtype)
   shape = (batch, max_len, config.num_kv_heads, config.head_dim)

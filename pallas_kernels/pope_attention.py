@@ -21,7 +21,8 @@ Supported: bf16/fp16 inputs with float32 accumulation, H in {32, 64, 128}, V <= 
 rows with no visible key return zeros. Runs on Hopper GPUs, and on CPU in the Mosaic GPU
 interpreter (`plgpu.force_gpu_interpret_mode()`, for tests; on machines with few cores set
 XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false, or it can hang, as
-tests/conftest.py does).
+tests/conftest.py does). Positions, θ and the clamped δ come from the caller
+(`pope_jax.attention`); this package imports nothing of `pope_jax`.
 
 Shape letters: B batch, T query length, S key length, N query heads, K kv heads, H head dim,
 V value head dim.
@@ -47,8 +48,8 @@ from pallas_kernels.pope_attention_fwd import (BOUNDED_SCORE_LIMIT, TABLE_DTYPE,
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 # Wider values overflow the 227 KB of SMEM per CTA at the default blocks (e.g. H = 128, V = 192:
-# 270 KB in the forward). Run on the H200 (jax 0.11.2): V = H at every H, H = 32 / 64 with
-# V = 96 and H = 128 with V = 64.
+# 270 KB in the forward). Measured on the H200: V = H at every H, H = 32 / 64 with V = 96 and
+# H = 128 with V = 64.
 MAX_VALUE_DIM = 128
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -77,8 +78,7 @@ def unsupported_reason(q, k, v) -> str | None:
     return (f"pallas PoPE attention needs one dtype for query, key, value; got {q.dtype}, "
             f"{k.dtype}, {v.dtype}")
   if _shape_mismatch(q, k, v):
-    return (f"query {q.shape} [B, T, N, H], key {k.shape} [B, S, K, H] and value {v.shape} "
-            f"[B, S, K, V] do not agree (one batch B, N a multiple of K)")
+    return _mismatch_message(q, k, v)
   if v.shape[-1] > MAX_VALUE_DIM:
     return f"value head dim {v.shape[-1]} exceeds {MAX_VALUE_DIM}"
   return None
@@ -89,11 +89,17 @@ def _shape_mismatch(q, k, v) -> bool:
           or q.shape[2] % k.shape[2] or k.shape[:3] != v.shape[:3])
 
 
+def _mismatch_message(q, k, v) -> str:
+  return (f"query {q.shape} [B, T, N, H], key {k.shape} [B, S, K, H] and value {v.shape} "
+          f"[B, S, K, V] do not agree (one batch B, N a multiple of K)")
+
+
 def _check(q, k, v) -> None:
+  """Raises ValueError for q, k, v that do not agree, NotImplementedError for operands the
+  kernel does not take (`unsupported_reason`)."""
   reason = unsupported_reason(q, k, v)
-  if reason is None:
-    return
-  raise (ValueError if reason.startswith("query") else NotImplementedError)(reason)
+  if reason is not None:
+    raise (ValueError if reason == _mismatch_message(q, k, v) else NotImplementedError)(reason)
 
 
 def platform_reason() -> str | None:
@@ -397,10 +403,10 @@ def _table_bytes(angle_pos, k_angle_pos, freqs, **kw) -> int:
 
 @functools.partial(jax.jit, static_argnames=("is_causal", "blocks"))
 def _prepare(q, k, v, delta, positions, *, is_causal, blocks):
-  """Operands: padded raw q, the query phase -δ (δ clamped by the caller), raw k (unpadded: `_forward` maps and pads
-  it), padded v, positions and angle tables, and per kernel the visit table with which CTA
-  runs which tiles (`st.launch_schedule`, balanced by the step counts of the default
-  positions). `positions` is `_positions`' result."""
+  """Operands: padded raw q, the query phase -δ (δ clamped by the caller), raw k (unpadded:
+  `_forward` maps and pads it), padded v, positions and angle tables, and per kernel the visit
+  table with which CTA runs which tiles (`st.launch_schedule`, balanced by the step counts of
+  the default positions). `positions` is `_positions`' result."""
   bsz, t_len, n_heads, h = q.shape
   s_len, vd = k.shape[1], v.shape[-1]
   # δ on the query side as -δ (the same score as δ on the keys, Eq. 5).

@@ -145,7 +145,8 @@ def test_cudnn_implementation_matches_xla(params, monkeypatch):
   from pope_jax import attention
   monkeypatch.setattr(attention, "CUDNN_BACKEND", "xla")
   monkeypatch.setattr(attention, "_gpu_capability", lambda: ("gpu", 9))
-  # bf16 (cuDNN's dtypes): compared with the float32-softmax reference in the same dtype.
+  # bf16 (cuDNN's dtypes): compared with the reference (float32 scores) in the same dtype, so the
+  # bound is bf16 score rounding (0.1 of logits of magnitude ~2), not the old same-dtype 5e-2.
   ref_cfg = dataclasses.replace(CFG, dtype="bfloat16", attention_implementation="xla")
   cfg = dataclasses.replace(ref_cfg, attention_implementation="cudnn")
   auto = dataclasses.replace(ref_cfg, attention_implementation=None)
@@ -155,7 +156,7 @@ def test_cudnn_implementation_matches_xla(params, monkeypatch):
   for kw in ({}, {"attention_mask": mask}):
     ref = Llama(ref_cfg).apply({"params": p16}, tokens, **kw)
     out = Llama(auto if kw else cfg).apply({"params": p16}, tokens, **kw)
-    np.testing.assert_allclose(out, ref, atol=5e-2)
+    np.testing.assert_allclose(out, ref, atol=1.5e-1)
   with pytest.raises(NotImplementedError, match="cudnn"):
     Llama(cfg).apply({"params": p16}, tokens, attention_mask=mask)
   cache = init_kv_cache(ref_cfg, 2, 16)

@@ -316,3 +316,22 @@ def test_as_positions_keeps_numpy_only_when_asked():
   assert isinstance(positions.as_positions(np.arange(3)), jax.Array)
   traced = jax.jit(lambda p: positions.as_positions(p, keep_numpy=True))(jnp.arange(3))
   np.testing.assert_array_equal(traced, np.arange(3))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.dtype("bfloat16"), "bf16", "bfloat16"])
+def test_positional_attention_takes_dtypes_as_jax_users_write_them(dtype):
+  from pope_jax.layers import PositionalAttention
+  layer = PositionalAttention(num_heads=2, num_kv_heads=1, head_dim=8, pos_encoding="rope",
+                              dtype=dtype)
+  x = jnp.ones((1, 4, 16), jnp.float32)
+  out = layer.apply(layer.init(jax.random.key(0), x), x)
+  assert out.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("dtype, err", [("int8", ValueError), (object(), TypeError)])
+def test_positional_attention_dtype_errors_name_the_argument(dtype, err):
+  from pope_jax.layers import PositionalAttention
+  layer = PositionalAttention(num_heads=2, num_kv_heads=1, head_dim=8, dtype=dtype)
+  x = jnp.ones((1, 4, 16), jnp.float32)
+  with pytest.raises(err, match="PositionalAttention.dtype"):
+    layer.init(jax.random.key(0), x)
