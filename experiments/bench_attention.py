@@ -45,7 +45,7 @@ from pallas_kernels import pope_attention as kernel
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
 from pallas_kernels.shapes import SHAPES, AttentionShape
 from experiments import profile_ops
-from pope_jax import attention, encodings
+from pope_jax import attention, encodings, positions
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense matmul peak on the H200 (issue text)
 SPEC_PEAK_TFLOPS = 989.4  # H200 SXM datasheet bf16 dense peak: the usual MFU denominator
@@ -103,7 +103,7 @@ def _concat_cartesian(x, positions, base, phase=None):
 def _expand(q, k, delta, base=10000.0, cartesian=encodings.pope_cartesian):
   """Cartesian PoPE q', k' (δ on the query side, as the reference), 2H wide, input dtype."""
   t_len, s_len = q.shape[1], k.shape[1]
-  q_pos, k_pos = attention.default_positions(t_len, s_len)
+  q_pos, k_pos = positions.default_positions(t_len, s_len)
   qe = cartesian(q, q_pos, base=base, phase=-encodings.clamp_phase_bias(delta))
   ke = cartesian(k, k_pos, base=base)
   return qe.astype(q.dtype), ke.astype(k.dtype)
@@ -138,24 +138,36 @@ def _pope_xla(q, k, v, delta):
   return attention.pope_attention(q, k, v, delta, is_causal=True, implementation="xla")
 
 
+def _kernel(q, k, v, delta, *, q_positions=None, k_positions=None, **kw):
+  """The kernel entry point as `attention.pope_attention(implementation="pallas")` calls it
+  (positions defaulted, θ, the clamped δ), with the kernel's own keywords (`block_sizes`)."""
+  q_pos, k_pos, _ = positions.resolve(q.shape[0], q.shape[1], k.shape[1], q_positions,
+                                      k_positions, None, keep_numpy=True)
+  with jax.ensure_compile_time_eval():
+    freqs = encodings.pope_frequencies(q.shape[-1])
+  return kernel.pope_attention(
+      q, k, v, encodings.clamp_phase_bias(delta.astype(jnp.float32)), frequencies=freqs,
+      q_positions=q_pos, k_positions=k_pos, cartesian_map=encodings.polar_to_cartesian, **kw)
+
+
 def _pope_pallas(q, k, v, delta, blocks: BlockSizes | None = None,
                  traced_positions: bool = False):
   """Our kernel; `traced_positions` passes the default positions as arrays traced with the call
   (as `jnp.arange` under jit gives), so the kernels' position tables run in every call instead
   of at trace time."""
   if traced_positions:  # jnp.asarray inside jit traces them
-    q_pos, k_pos = map(jnp.asarray, attention.default_positions(q.shape[1], k.shape[1]))
-    return kernel.pope_attention(q, k, v, delta, is_causal=True, block_sizes=blocks,
+    q_pos, k_pos = map(jnp.asarray, positions.default_positions(q.shape[1], k.shape[1]))
+    return _kernel(q, k, v, delta, is_causal=True, block_sizes=blocks,
                                  q_positions=q_pos, k_positions=k_pos)
   if blocks is None:
     return attention.pope_attention(q, k, v, delta, is_causal=True, implementation="pallas")
-  return kernel.pope_attention(q, k, v, delta, is_causal=True, block_sizes=blocks)
+  return _kernel(q, k, v, delta, is_causal=True, block_sizes=blocks)
 
 
 def _rope_cudnn(q, k, v, delta):
   del delta
   t_len, s_len = q.shape[1], k.shape[1]
-  q_pos, k_pos = attention.default_positions(t_len, s_len)
+  q_pos, k_pos = positions.default_positions(t_len, s_len)
   qr = encodings.apply_rope(q, q_pos)
   kr = encodings.apply_rope(k, k_pos)
   return jax.nn.dot_product_attention(qr, kr, v, is_causal=True, implementation="cudnn")
@@ -243,7 +255,7 @@ def check(names, changes=({},), dtypes=(jnp.bfloat16,)) -> list[dict]:
       def loss(q, k, v, delta):
         if impl == "pallas" and change:  # Invalid changes raise here: an error row.
           blocks = dataclasses.replace(default_block_sizes(shape.head_dim), **change)
-          out = kernel.pope_attention(q, k, v, delta, is_causal=shape.is_causal,
+          out = _kernel(q, k, v, delta, is_causal=shape.is_causal,
                                       block_sizes=blocks)
         else:
           out = attention.pope_attention(q, k, v, delta, is_causal=shape.is_causal,

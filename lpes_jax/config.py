@@ -19,7 +19,7 @@ from pope_jax.dtypes import canonical_dtype
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_IMPLEMENTATIONS = ("xla", "jax_nn", "cudnn")
+ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn", "pallas")  # `pope_jax.rope_attention`'s
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,11 +41,11 @@ class LlamaConfig:
     dtype: parameter and activation dtype, as JAX users write it (`jnp.bfloat16`,
       `np.dtype("float16")`, "bf16", ...); stored as its canonical name "float32", "bfloat16" or
       "float16". Norms, RoPE angles, softmax and logits are float32 regardless.
-    attention_implementation: "xla" (reference: `pope_jax.attention.dot_product_attention_reference`,
-      float32 scores), "jax_nn" (`jax.nn.dot_product_attention` with a mask array: XLA, scores
-      materialised in the model dtype) or "cudnn" (NVIDIA GPUs: cuDNN flash attention with its own
-      causal mask for calls without cache, padding or explicit positions, i.e. plain prefill and
-      scoring; "jax_nn" for the other calls).
+    attention_implementation: `pope_jax.rope_attention`'s implementation, per call: "xla"
+      (reference, float32 scores), "cudnn" (NVIDIA GPUs: cuDNN flash attention; runs calls
+      without cache, padding, explicit positions or sliding window, i.e. plain prefill and
+      scoring, and raises NotImplementedError on the others), None (per call the first that
+      runs: cuDNN where it can, else "xla"); "pallas" has no RoPE kernel and raises.
     bos_token_id, eos_token_ids, pad_token_id: special ids from the checkpoint (may be None/empty).
   """
   model_type: str = "llama"
@@ -65,7 +65,7 @@ class LlamaConfig:
   o_bias: bool = False
   sliding_window: int | None = None
   dtype: str = "float32"
-  attention_implementation: str = "xla"
+  attention_implementation: str | None = "xla"
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None

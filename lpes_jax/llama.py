@@ -29,7 +29,6 @@ H head dim, F MLP width, V vocabulary, L layers.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -39,8 +38,7 @@ import numpy as np
 
 from lpes_jax.config import LlamaConfig
 from lpes_jax.rope_scaling import scaled_rope_frequencies
-from pope_jax import attention as pope_attention_lib
-from pope_jax import encodings
+from pope_jax import encodings, rope_attention
 
 Array = jax.Array
 KVCache = dict[str, Any]
@@ -56,9 +54,9 @@ def init_kv_cache(config: LlamaConfig, batch: int, max_len: int, dtype: Any = No
     dtype: cache dtype (default: the model dtype).
 
   Returns:
-    dict: "k", "v": tuples of L arrays [B, S, K, H] (keys stored after RoPE); "positions": [B, S]
-    int32; "valid": [B, S] bool (False for pads and unwritten slots); "index": [] int32, the
-    number of slots written.
+    dict: "k", "v": tuples of L arrays [B, S, K, H] (raw keys, before RoPE: `rope_attention`
+    rotates them in each call); "positions": [B, S] int32; "valid": [B, S] bool (False for pads
+    and unwritten slots); "index": [] int32, the number of slots written.
   """
   dtype = jnp.dtype(dtype or config.dtype)
   shape = (batch, max_len, config.num_kv_heads, config.head_dim)
@@ -99,38 +97,19 @@ class RMSNorm(nn.Module):
     return weight * xf.astype(x.dtype)
 
 
-def _attend(q: Array, k: Array, v: Array, mask: Array, *, implementation: str,
-            plain_causal: bool) -> Array:
-  """Softmax attention [B, T, N, H] × [B, S, K, H] → [B, T, N, H] in q's dtype.
-
-  `plain_causal`: the mask is exactly the top-left causal mask of T == S tokens (no padding, no
-  cache, default positions), which "cudnn" hands to the fused kernel instead of a mask array.
-  """
-  scale = 1.0 / math.sqrt(q.shape[-1])
-  if implementation == "xla":
-    out = pope_attention_lib.dot_product_attention_reference(q, k, v, scale=scale, mask=mask)
-  elif implementation == "cudnn" and plain_causal:
-    out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
-                                       implementation=pope_attention_lib.CUDNN_BACKEND)
-  elif implementation in ("jax_nn", "cudnn"):
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale)
-  else:
-    raise ValueError(f"attention_implementation must be 'xla', 'jax_nn' or 'cudnn', got "
-                     f"{implementation!r}")
-  return out.astype(q.dtype)
-
-
 class Attention(nn.Module):
-  """GQA self-attention with half-split RoPE on the checkpoint's frequencies."""
+  """GQA self-attention with half-split RoPE on the checkpoint's frequencies
+  (`pope_jax.rope_attention`)."""
   config: LlamaConfig
 
   @nn.compact
   def __call__(self, x, *, positions, multiplier, keys):
     """x [B, T, D]; positions [B, T]; multiplier None or [N]; keys: dict of the key side.
 
-    `keys` holds "k", "v" ([B, S, K, H] cache or None), "positions" [B, S], "valid" [B, S],
-    "index" (slot of the first new token) and "plain" (no cache, padding or explicit positions).
-    Returns (out [B, T, D], (k_all, v_all)).
+    `keys` holds "k", "v" ([B, S, K, H] cache of raw keys, or None), "positions" [B, S],
+    "valid" [B, S], "index" (slot of the first new token) and "plain" (no cache, padding or
+    explicit positions: default positions, which "cudnn" runs with its own causal mask).
+    Returns (out [B, T, D], (k_all, v_all)), k_all un-rotated.
     """
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
@@ -141,21 +120,17 @@ class Attention(nn.Module):
     q = dense(n * h, cfg.qkv_bias, "q_proj")(x).reshape(b, t, n, h)
     k = dense(kh * h, cfg.qkv_bias, "k_proj")(x).reshape(b, t, kh, h)
     v = dense(kh * h, cfg.qkv_bias, "v_proj")(x).reshape(b, t, kh, h)
-    freqs = jnp.asarray(scaled_rope_frequencies(h, cfg.rope_theta, cfg.rope_scaling))
-    k_mult = encodings.kv_head_multiplier(multiplier, n, kh)
-    q = encodings.apply_rope(q, positions, multiplier=multiplier, frequencies=freqs)
-    k = encodings.apply_rope(k, positions, multiplier=k_mult, frequencies=freqs)
     if keys["k"] is not None:
       start = (0, keys["index"], 0, 0)
       k = jax.lax.dynamic_update_slice(keys["k"], k.astype(keys["k"].dtype), start)
       v = jax.lax.dynamic_update_slice(keys["v"], v.astype(keys["v"].dtype), start)
-    mask = pope_attention_lib.attention_mask(positions, keys["positions"], is_causal=True,
-                                             k_valid=keys["valid"])           # [B, T, S]
-    if cfg.sliding_window is not None:
-      mask = mask & (positions[:, :, None] - keys["positions"][:, None, :] < cfg.sliding_window)
-    out = _attend(q, k.astype(dtype), v.astype(dtype), mask,
-                  implementation=cfg.attention_implementation,
-                  plain_causal=keys["plain"] and cfg.sliding_window is None)  # [B, T, N, H]
+    at = {} if keys["plain"] else dict(q_positions=positions, k_positions=keys["positions"],
+                                       key_mask=keys["valid"])
+    out = rope_attention(
+        q, k.astype(dtype), v.astype(dtype), is_causal=True, multiplier=multiplier,
+        frequencies=jnp.asarray(scaled_rope_frequencies(h, cfg.rope_theta, cfg.rope_scaling)),
+        local_window=cfg.sliding_window, implementation=cfg.attention_implementation,
+        **at)                                                                  # [B, T, N, H]
     out = dense(cfg.hidden_size, cfg.o_bias, "o_proj")(out.reshape(b, t, n * h))
     return out, (k, v)
 

@@ -21,7 +21,8 @@ Supported: bf16/fp16 inputs with float32 accumulation, H in {32, 64, 128}, V <= 
 rows with no visible key return zeros. Runs on Hopper GPUs, and on CPU in the Mosaic GPU
 interpreter (`plgpu.force_gpu_interpret_mode()`, for tests; on machines with few cores set
 XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false, or it can hang, as
-tests/conftest.py does).
+tests/conftest.py does). Positions, θ and the clamped δ come from the caller
+(`pope_jax.attention`); this package imports nothing of `pope_jax`.
 
 Shape letters: B batch, T query length, S key length, N query heads, K kv heads, H head dim,
 V value head dim.
@@ -37,7 +38,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pope_jax import attention, encodings
 from pallas_kernels import _streaming as st
 from pallas_kernels.pope_attention_bwd import pope_attention_dkv, pope_attention_dq
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
@@ -48,23 +48,40 @@ from pallas_kernels.pope_attention_fwd import (BOUNDED_SCORE_LIMIT, TABLE_DTYPE,
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 # Wider values overflow the 227 KB of SMEM per CTA at the default blocks (e.g. H = 128, V = 192:
-# 270 KB in the forward). Run on the H200 (jax 0.11.2): V = H at every H, H = 32 / 64 with
-# V = 96 and H = 128 with V = 64.
+# 270 KB in the forward). Measured on the H200: V = H at every H, H = 32 / 64 with V = 96 and
+# H = 128 with V = 64.
 MAX_VALUE_DIM = 128
 _LOG2E = 1.0 / math.log(2.0)
 
 
 def is_supported(q, k, v) -> bool:
-  """Whether the kernel runs these operands (arrays or `jax.ShapeDtypeStruct`s).
+  """Whether the kernel runs these operands (arrays or `jax.ShapeDtypeStruct`s); see
+  `unsupported_reason`. The platform is `platform_reason`'s."""
+  return unsupported_reason(q, k, v) is None
+
+
+def unsupported_reason(q, k, v) -> str | None:
+  """Why the kernel cannot run these operands, or None if it can.
 
   q [B, T, N, H], k [B, S, K, H], v [B, S, K, V]: one dtype in SUPPORTED_DTYPES, H in
   SUPPORTED_HEAD_DIMS, V <= MAX_VALUE_DIM, one batch, N a multiple of K; and `jax_enable_x64`
   off (the kernels' index arithmetic is int32).
   """
-  return (not jax.config.jax_enable_x64
-          and q.ndim == 4 and jnp.dtype(q.dtype) in SUPPORTED_DTYPES
-          and q.shape[-1] in SUPPORTED_HEAD_DIMS and k.dtype == q.dtype and v.dtype == q.dtype
-          and v.shape[-1] <= MAX_VALUE_DIM and not _shape_mismatch(q, k, v))
+  if jax.config.jax_enable_x64:
+    return ("pallas PoPE attention runs with jax_enable_x64 off (its index arithmetic is "
+            "int32); use implementation='xla' under x64, or jax.enable_x64(False) around it")
+  if not (q.ndim == 4 and jnp.dtype(q.dtype) in SUPPORTED_DTYPES
+          and q.shape[-1] in SUPPORTED_HEAD_DIMS):
+    return (f"pallas PoPE attention takes query dtype in {[str(d) for d in SUPPORTED_DTYPES]} "
+            f"and head dim in {SUPPORTED_HEAD_DIMS}; got query {q.dtype} {q.shape}")
+  if k.dtype != q.dtype or v.dtype != q.dtype:
+    return (f"pallas PoPE attention needs one dtype for query, key, value; got {q.dtype}, "
+            f"{k.dtype}, {v.dtype}")
+  if _shape_mismatch(q, k, v):
+    return _mismatch_message(q, k, v)
+  if v.shape[-1] > MAX_VALUE_DIM:
+    return f"value head dim {v.shape[-1]} exceeds {MAX_VALUE_DIM}"
+  return None
 
 
 def _shape_mismatch(q, k, v) -> bool:
@@ -72,42 +89,34 @@ def _shape_mismatch(q, k, v) -> bool:
           or q.shape[2] % k.shape[2] or k.shape[:3] != v.shape[:3])
 
 
-def _check(q, k, v, delta) -> None:
-  if jax.config.jax_enable_x64:
-    raise NotImplementedError(
-        "pallas PoPE attention runs with jax_enable_x64 off (its index arithmetic is int32); "
-        "use implementation='xla' under x64, or jax.enable_x64(False) around the call")
-  if not (q.ndim == 4 and jnp.dtype(q.dtype) in SUPPORTED_DTYPES
-          and q.shape[-1] in SUPPORTED_HEAD_DIMS):
-    raise NotImplementedError(
-        f"pallas PoPE attention takes query dtype in {[str(d) for d in SUPPORTED_DTYPES]} and "
-        f"head dim in {SUPPORTED_HEAD_DIMS}; got query {q.dtype} {q.shape}")
-  if k.dtype != q.dtype or v.dtype != q.dtype:
-    raise NotImplementedError(
-        f"pallas PoPE attention needs one dtype for query, key, value; got {q.dtype}, "
-        f"{k.dtype}, {v.dtype}")
-  if _shape_mismatch(q, k, v):
-    raise ValueError(f"query {q.shape} [B, T, N, H], key {k.shape} [B, S, K, H] and value "
-                     f"{v.shape} [B, S, K, V] do not agree (one batch B, N a multiple of K)")
-  if v.shape[-1] > MAX_VALUE_DIM:
-    raise NotImplementedError(f"value head dim {v.shape[-1]} exceeds {MAX_VALUE_DIM}")
-  if delta is not None and delta.shape != q.shape[2:]:
-    raise ValueError(f"delta must have shape {q.shape[2:]}, got {delta.shape}")
+def _mismatch_message(q, k, v) -> str:
+  return (f"query {q.shape} [B, T, N, H], key {k.shape} [B, S, K, H] and value {v.shape} "
+          f"[B, S, K, V] do not agree (one batch B, N a multiple of K)")
 
 
-def _check_platform() -> None:
-  """Raises NotImplementedError off GPU unless the Mosaic GPU interpreter is forced (tests)."""
-  if jax.default_backend() == "gpu":
-    return
+def _check(q, k, v) -> None:
+  """Raises ValueError for q, k, v that do not agree, NotImplementedError for operands the
+  kernel does not take (`unsupported_reason`)."""
+  reason = unsupported_reason(q, k, v)
+  if reason is not None:
+    raise (ValueError if reason == _mismatch_message(q, k, v) else NotImplementedError)(reason)
+
+
+def platform_reason() -> str | None:
+  """Why the kernel cannot run on this platform, or None: it runs on NVIDIA Hopper GPUs (sm90),
+  and on CPU in the Mosaic GPU interpreter (`plgpu.force_gpu_interpret_mode()`, for tests)."""
   try:  # The interpreter switch has no public getter; read the config it sets.
     from jax._src import config as jax_config
-    interpreting = jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+    if jax_config.pallas_tpu_interpret_mode_context_manager.value is not None:
+      return None
   except (ImportError, AttributeError):
-    interpreting = False
-  if not interpreting:
-    raise NotImplementedError(
-        f"pallas PoPE attention runs on NVIDIA Hopper GPUs, not on {jax.default_backend()!r}; "
-        f"use implementation='xla' or None (or plgpu.force_gpu_interpret_mode() for tests)")
+    pass
+  device = jax.devices()[0]
+  if device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9."):
+    return None
+  return (f"pallas PoPE attention runs on NVIDIA Hopper GPUs (sm90), not on "
+          f"{device.platform!r} {getattr(device, 'compute_capability', '')}; use "
+          f"implementation='xla' or None (or plgpu.force_gpu_interpret_mode() for tests)")
 
 
 def _pad_to(x, length: int, axis: int, value=0):
@@ -116,11 +125,11 @@ def _pad_to(x, length: int, axis: int, value=0):
   return jnp.pad(x, pad, constant_values=value)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12))
-def _flash(q, phase, k, v, angle_pos, q_table, k_trig, q_pos, k_pos, tables,
-           blocks: BlockSizes, base: float, magnitude_scale: float):
-  return _forward(q, phase, k, v, angle_pos, q_table, k_trig, q_pos, k_pos, tables, blocks,
-                  base, magnitude_scale, save_a=False)[1][0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12, 13))
+def _flash(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, tables,
+           blocks: BlockSizes, magnitude_scale: float, cartesian_map):
+  return _forward(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, tables,
+                  blocks, magnitude_scale, save_a=False)[1][0]
 
 
 def tile_score_bound(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
@@ -174,13 +183,11 @@ def bounded_tiles(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
   return (bound <= BOUNDED_SCORE_LIMIT).astype(jnp.int32)
 
 
-def _forward(q, phase, k, v, angle_pos, q_table, k_trig, q_pos, k_pos, tables, blocks,
-             base, magnitude_scale, *, save_a):
+def _forward(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, tables, blocks,
+             magnitude_scale, *, save_a):
   """The key map (`key_map`, one XLA pass), zero-padded to the values' length, then the forward
-  kernel. θ is a trace-time constant; without `bounded_softmax` the kernel takes no bounded
-  flags (an all-zero constant cost an XLA kernel per call that broadcast it)."""
-  with jax.ensure_compile_time_eval():
-    freqs = encodings.pope_frequencies(q.shape[-1], base)                      # [H]
+  kernel. Without `bounded_softmax` the kernel takes no bounded flags (an all-zero constant
+  cost an XLA kernel per call that broadcast it)."""
   b = _pad_to(key_map(k, k_trig), v.shape[1], 1)
   tile_rows = blocks.forward_warpgroups * blocks.block_q  # (blocks as `resolve_forward` gives)
   bounded = None
@@ -215,12 +222,13 @@ def key_table(k_positions, freqs):
     k_positions: [S] or [B, S] key positions (integer or float32); freqs: [H] float32 θ.
 
   Returns:
-    [B or 1, S, 1, 2H] float32 (the angles sθ in float32, as `encodings.angles`). A position
+    [B or 1, S, 1, 2H] float32 (the angles sθ, one float32 product each). A position
     operand (`_angle_tables`): a trace-time constant when the positions are concrete
     (`_positions`), so the key map is then one XLA pass with no trigonometry; else one small
     pass over S·H per call.
   """
-  ang = encodings.angles(k_positions, freqs)
+  pos = k_positions.astype(jnp.float32)
+  ang = (pos if pos.ndim == 2 else pos[None])[:, :, None, None] * freqs[None, None]
   return jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=-1)
 
 
@@ -262,22 +270,22 @@ def query_angles(freqs, phase, angle_pos, q_table, *, tables: bool):
 def _query_vjp_in_kernel(dtype) -> bool:
   """Whether the dq kernel applies the query map's VJP (`cartesian_vjp`), returning dq and the
   angles' gradient dφ in q's dtype. Not for fp16: dφ ∝ da·a underflows its range where the raw
-  queries are below about -6 (the phase gradient, dφ's sum, lost up to 13 % there on CPU,
-  docs/results run 14), so there the kernel returns da and XLA maps it in float32."""
+  queries are below about -6 (the phase gradient, dφ's sum, lost up to 13 % there on CPU),
+  so there the kernel returns da and XLA maps it in float32 (the caller's `cartesian_map`)."""
   return jnp.dtype(dtype) != jnp.dtype(jnp.float16)
 
 
-def _flash_fwd(q, phase, k, v, angle_pos, q_table, k_trig, q_pos, k_pos, tables, blocks,
-               base, magnitude_scale):
-  b, (out, lse, a) = _forward(q, phase, k, v, angle_pos, q_table, k_trig, q_pos, k_pos,
-                              tables, blocks, base, magnitude_scale, save_a=True)
+def _flash_fwd(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, tables, blocks,
+               magnitude_scale, cartesian_map):
+  b, (out, lse, a) = _forward(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos,
+                              tables, blocks, magnitude_scale, save_a=True)
   query = () if _query_vjp_in_kernel(q.dtype) else (q, phase)  # for the map's VJP in XLA
   key_len = jnp.zeros((k.shape[1], 0), jnp.int8)  # k's length S, without keeping k_trig
-  return out, (a, b, v, angle_pos, key_len, q_pos, k_pos, tables, out, lse, query)
+  return out, (a, b, v, freqs, angle_pos, key_len, q_pos, k_pos, tables, out, lse, query)
 
 
-def _flash_bwd(blocks, base, magnitude_scale, res, d_out):
-  a, b, v, angle_pos, key_len, q_pos, k_pos, tables, out, lse, query = res
+def _flash_bwd(blocks, magnitude_scale, cartesian_map, res, d_out):
+  a, b, v, freqs, angle_pos, key_len, q_pos, k_pos, tables, out, lse, query = res
   delta = jnp.einsum("btnv,btnv->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
   d_out = d_out.astype(a.dtype)
   args = (a, b, v, d_out, lse, delta, q_pos, k_pos)
@@ -289,9 +297,12 @@ def _flash_bwd(blocks, base, magnitude_scale, res, d_out):
     dphase = dq_angle[..., h:].astype(jnp.float32).sum((0, 1))
   else:  # da through the reference map's VJP (float32), as the kernel's `cartesian_halves`.
     da = pope_attention_dq(*args, *tables[1], blocks=blocks, magnitude_scale=None)
+    if cartesian_map is None:
+      raise ValueError("float16 gradients of pallas PoPE attention need `cartesian_map` (the "
+                       "reference map `pope_jax.encodings.polar_to_cartesian`)")
+    ang = angle_pos[:, :, None, None] * freqs[None, None]                # [B|1, T_pad, 1, H]
     def query_map(q, phase):
-      a = encodings.pope_cartesian(q, angle_pos, base=base, phase=phase) * magnitude_scale
-      return a.astype(q.dtype)
+      return (cartesian_map(q, ang, phase) * magnitude_scale).astype(q.dtype)
     _, map_vjp = jax.vjp(query_map, *query)
     dq, dphase = map_vjp(da)
   if blocks.split_dkv:
@@ -307,7 +318,7 @@ def _flash_bwd(blocks, base, magnitude_scale, res, d_out):
       return x.sum(3).astype(a.dtype)
     dk, dv = group_sum(dk), group_sum(dv)
   dk = dk[:, :key_len.shape[0]]  # k is not padded (b is, after the map).
-  return (dq, dphase, dk, dv, jnp.zeros_like(angle_pos), None, None,
+  return (dq, dphase, dk, dv, jnp.zeros_like(freqs), jnp.zeros_like(angle_pos), None, None,
           jnp.zeros_like(q_pos), jnp.zeros_like(k_pos), None)
 
 
@@ -360,22 +371,21 @@ MAX_CONSTANT_TABLE_BYTES = 4 << 20
 MAX_POSITION = 2**24
 
 
-def _angle_tables(angle_pos, k_angle_pos, *, head_dim: int, base: float, query_tables: bool):
+def _angle_tables(angle_pos, k_angle_pos, freqs, *, query_tables: bool):
   """The query table (`query_table`, None without `query_tables`) and the key map's
-  `key_table`, from `_position_operands`' angle positions."""
-  freqs = encodings.pope_frequencies(head_dim, base)
+  `key_table`, from `_position_operands`' angle positions and the frequencies θ [H]."""
   q_table = query_table(angle_pos, freqs) if query_tables else None
   return q_table, jax.lax.stop_gradient(key_table(k_angle_pos, freqs))
 
 
 @functools.lru_cache(maxsize=8)
-def _constant_angle_tables(angle_pos: tuple, k_angle_pos: tuple, **kw):
+def _constant_angle_tables(angle_pos: tuple, k_angle_pos: tuple, freqs: tuple, **kw):
   """`_angle_tables` at trace time, one array object per distinct positions (given as
   `_array_key`s): JAX lowers a constant used by several calls of one program once, so the
   layers of a model share their tables. Keeps the 8 most recent (at most 32 MiB of device
   memory)."""
   arrays = [np.frombuffer(data, np.float32).reshape(shape) for shape, data in
-            (angle_pos, k_angle_pos)]
+            (angle_pos, k_angle_pos, freqs)]
   with jax.ensure_compile_time_eval():
     return _angle_tables(*arrays, **kw)
 
@@ -385,23 +395,23 @@ def _array_key(x) -> tuple:
   return x.shape, x.tobytes()
 
 
-def _table_bytes(angle_pos, k_angle_pos, **kw) -> int:
+def _table_bytes(angle_pos, k_angle_pos, freqs, **kw) -> int:
   """The bytes of `_angle_tables`' results, from their shapes alone."""
-  tables = jax.eval_shape(functools.partial(_angle_tables, **kw), angle_pos, k_angle_pos)
+  tables = jax.eval_shape(functools.partial(_angle_tables, **kw), angle_pos, k_angle_pos, freqs)
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tables))
 
 
-@functools.partial(jax.jit, static_argnames=("base", "is_causal", "blocks"))
-def _prepare(q, k, v, delta, positions, *, base, is_causal, blocks):
-  """Operands: padded raw q, the query phase -δ, raw k (unpadded: `_forward` maps and pads
-  it), padded v, positions and angle tables, and per kernel the visit table with which CTA
-  runs which tiles (`st.launch_schedule`, balanced by the step counts of the default
-  positions). `positions` is `_positions`' result."""
+@functools.partial(jax.jit, static_argnames=("is_causal", "blocks"))
+def _prepare(q, k, v, delta, positions, *, is_causal, blocks):
+  """Operands: padded raw q, the query phase -δ (δ clamped by the caller), raw k (unpadded:
+  `_forward` maps and pads it), padded v, positions and angle tables, and per kernel the visit
+  table with which CTA runs which tiles (`st.launch_schedule`, balanced by the step counts of
+  the default positions). `positions` is `_positions`' result."""
   bsz, t_len, n_heads, h = q.shape
   s_len, vd = k.shape[1], v.shape[-1]
   # δ on the query side as -δ (the same score as δ on the keys, Eq. 5).
   phase = (jnp.zeros((n_heads, h), jnp.float32) if delta is None
-           else -encodings.clamp_phase_bias(delta.astype(jnp.float32)))
+           else -delta.astype(jnp.float32))
   angle_pos, q_table, k_trig, qp, kp, visits = positions
   t_pad, s_pad = qp.shape[1], kp.shape[1]
   v_pad = -(-vd // 64) * 64
@@ -424,8 +434,8 @@ def _prepare(q, k, v, delta, positions, *, base, is_causal, blocks):
   return qr, phase, k, vp, angle_pos, q_table, k_trig, qp, kp, tables
 
 
-def _positions(q_positions, k_positions, *, batch, t_len, s_len, is_causal, blocks, head_dim,
-               value_dim, dtype, base):
+def _positions(q_positions, k_positions, freqs, *, batch, t_len, s_len, is_causal, blocks,
+               head_dim, value_dim, dtype):
   """`_position_operands` and `_angle_tables`, evaluated at trace time (constants of the
   caller's computation) unless a position array is traced; the angle tables only up to
   MAX_CONSTANT_TABLE_BYTES, and the query table only where the forward reads it
@@ -435,7 +445,7 @@ def _positions(q_positions, k_positions, *, batch, t_len, s_len, is_causal, bloc
     ValueError: concrete positions of magnitude MAX_POSITION or more.
   """
   kw = dict(batch=batch, t_len=t_len, s_len=s_len, is_causal=is_causal, blocks=blocks)
-  traced = any(isinstance(p, jax.core.Tracer) for p in (q_positions, k_positions))
+  traced = any(isinstance(p, jax.core.Tracer) for p in (q_positions, k_positions, freqs))
   if not traced:
     for name, pos in (("q_positions", q_positions), ("k_positions", k_positions)):
       largest = int(np.abs(np.asarray(pos, np.int64)).max(initial=0))
@@ -447,37 +457,43 @@ def _positions(q_positions, k_positions, *, batch, t_len, s_len, is_causal, bloc
     angle_pos, k_angle_pos, qp, kp, visits = _position_operands(q_positions, k_positions, **kw)
   reads_table = any(use_query_tables(blocks, head_dim, value_dim, dtype, save_a)
                     for save_a in (False, True))
-  table_kw = dict(head_dim=head_dim, base=base, query_tables=reads_table)
-  if not traced and _table_bytes(angle_pos, k_angle_pos, **table_kw) <= MAX_CONSTANT_TABLE_BYTES:
+  table_kw = dict(query_tables=reads_table)
+  if (not traced
+      and _table_bytes(angle_pos, k_angle_pos, freqs, **table_kw) <= MAX_CONSTANT_TABLE_BYTES):
     q_table, k_trig = _constant_angle_tables(_array_key(angle_pos), _array_key(k_angle_pos),
-                                             **table_kw)
+                                             _array_key(freqs), **table_kw)
   else:
-    q_table, k_trig = _angle_tables(angle_pos, k_angle_pos, **table_kw)
+    q_table, k_trig = _angle_tables(angle_pos, k_angle_pos, freqs, **table_kw)
   return angle_pos, q_table, k_trig, qp, kp, visits
 
 
-def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: bool = False,
-                   q_positions=None, k_positions=None, scale: float | None = None,
-                   block_sizes: BlockSizes | None = None):
+def pope_attention(q, k, v, delta=None, *, frequencies, q_positions, k_positions,
+                   is_causal: bool = False, scale: float | None = None,
+                   block_sizes: BlockSizes | None = None, cartesian_map=None):
   """Fused PoPE attention (PoPE Eq. 5/6), differentiable in q, k, v and δ.
+
+  The kernel's entry point; `pope_jax.pope_attention(..., implementation="pallas")` calls it
+  after checking the positions and filling in their defaults, and passes what it derives from
+  the encodings (θ, the clamped δ, the reference Cartesian map).
 
   Args:
     q: [B, T, N, H] raw queries (before softplus), bf16 or fp16.
     k: [B, S, K, H] raw keys, same dtype; N % K == 0.
     v: [B, S, K, V] values, same dtype.
-    delta: None or [N, H] phase bias δ, clamped to [-2π, 0].
-    base: frequency base of θ_c = base^(-c/H).
+    delta: None or [N, H] float32 phase bias δ, already clamped to [-2π, 0].
+    frequencies: [H] float32 θ_c = base^(-c/H) (`pope_jax.encodings.pope_frequencies`).
+    q_positions, k_positions: [T] / [S] or [B, T] / [B, S] integer positions, checked by the
+      caller (`pope_jax.positions`). Concrete positions (numpy arrays, jax arrays closed over
+      rather than computed inside the caller's jit) become trace-time constants (`_positions`;
+      the angle tables, 8·S·H + 4·T_pad·H bytes per batch row of the positions, T_pad = T
+      rounded up to the tile, up to MAX_CONSTANT_TABLE_BYTES, equal positions sharing one
+      copy); traced ones cost a few small XLA ops per call. Concrete `frequencies` likewise.
     is_causal: key s visible to query t iff k_pos[s] <= q_pos[t].
-    q_positions, k_positions: [T] / [S] or [B, T] / [B, S] int; default: keys arange(S),
-      queries S - T + arange(T) when T <= S, else arange(T). Concrete positions (the
-      defaults, numpy arrays or int sequences, jax arrays closed over rather than computed
-      inside the caller's jit) become trace-time constants (`_positions`; the angle tables,
-      8·S·H + 4·T_pad·H bytes per batch row of the positions, T_pad = T rounded up to the
-      tile, up to MAX_CONSTANT_TABLE_BYTES, equal positions sharing one copy); traced
-      ones (jit arguments, or e.g. `jnp.arange(T)` inside jit) cost a few small XLA ops per
-      call.
     scale: logit scale, default 1/sqrt(H).
     block_sizes: tile sizes; default `default_block_sizes(H)`.
+    cartesian_map: the reference map (x, angles, phase) -> [μ cos φ, μ sin φ] float32
+      (`pope_jax.encodings.polar_to_cartesian`), whose VJP maps float16 query gradients in
+      float32 (`_query_vjp_in_kernel`); needed only for float16 gradients.
 
   Returns:
     [B, T, N, V] in q's dtype; zero rows where no key is visible.
@@ -485,27 +501,23 @@ def pope_attention(q, k, v, delta=None, *, base: float = 10000.0, is_causal: boo
   Raises:
     NotImplementedError: dtype, head dim or value dim the kernel does not support, a backend
       other than GPU (outside the Mosaic GPU interpreter), or `jax_enable_x64` on.
-    ValueError: shapes that do not agree (also of the positions), concrete positions of
-      magnitude MAX_POSITION (2**24) or more, or `block_sizes` whose buffers do not fit in SMEM
-      (forward at call time, dq and dk/dv when differentiated).
-    TypeError: positions that are not integers.
+    ValueError: q, k, v that do not agree, concrete positions of magnitude MAX_POSITION (2**24)
+      or more, or `block_sizes` whose buffers do not fit in SMEM (forward at call time, dq and
+      dk/dv when differentiated).
   """
-  _check(q, k, v, delta)
-  _check_platform()
+  _check(q, k, v)
+  reason = platform_reason()
+  if reason is not None:
+    raise NotImplementedError(reason)
   h = q.shape[-1]
   blocks = resolve_forward(default_block_sizes(h) if block_sizes is None
-                                   else block_sizes, h, -(-v.shape[-1] // 64) * 64, q.dtype)
+                           else block_sizes, h, -(-v.shape[-1] // 64) * 64, q.dtype)
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   s_len, t_len = k.shape[1], q.shape[1]
-  default_q, default_k = attention.default_positions(t_len, s_len)
-  q_positions = attention.as_positions(default_q if q_positions is None else q_positions,
-                                       keep_numpy=True)
-  k_positions = attention.as_positions(default_k if k_positions is None else k_positions,
-                                       keep_numpy=True)
-  attention.check_positions(q_positions, k_positions, q.shape[0], t_len, s_len)
-  positions = _positions(q_positions, k_positions, batch=q.shape[0], t_len=t_len, s_len=s_len,
-                         is_causal=is_causal, blocks=blocks, head_dim=h,
-                         value_dim=v.shape[-1], dtype=q.dtype, base=base)
-  operands = _prepare(q, k, v, delta, positions, base=base, is_causal=is_causal, blocks=blocks)
-  out = _flash(*operands, blocks, base, scale * _LOG2E)
+  positions = _positions(q_positions, k_positions, frequencies, batch=q.shape[0], t_len=t_len,
+                         s_len=s_len, is_causal=is_causal, blocks=blocks, head_dim=h,
+                         value_dim=v.shape[-1], dtype=q.dtype)
+  qr, phase, kr, vp, *rest = _prepare(q, k, v, delta, positions, is_causal=is_causal,
+                                      blocks=blocks)
+  out = _flash(qr, phase, kr, vp, frequencies, *rest, blocks, scale * _LOG2E, cartesian_map)
   return out[:, :t_len, :, :v.shape[-1]]

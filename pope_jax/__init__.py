@@ -1,8 +1,9 @@
 """PoPE and RoPE positional encodings, attention and Transformers in JAX.
 
 Public API: encodings (`apply_rope`, `pope_cartesian`, frequencies), attention ops
-(`pope_attention`, `rope_attention`, `dot_product_attention_reference`), the Flax layer
-`PositionalAttention`, the `Transformer` model and its configs.
+(`pope_attention`, `rope_attention`, `dot_product_attention_reference`), positions and masks
+(`pope_jax.positions`), the Flax layer `PositionalAttention`, the `Transformer` model and its
+configs.
 """
 
 from pope_jax.attention import dot_product_attention_reference, pope_attention, rope_attention

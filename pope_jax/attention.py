@@ -1,20 +1,23 @@
 """Attention with PoPE or RoPE, shaped like `jax.nn.dot_product_attention`.
 
 Public API: `pope_attention`, `rope_attention`, and the reference `dot_product_attention_reference`.
-Each op dispatches on `implementation=`: "xla" is the reference (float32 math, materialised
-scores); "pallas" (PoPE only) is the fused Mosaic GPU kernel in `pallas_kernels`, imported lazily
-so a CPU-only install imports fine; "cudnn" (RoPE only) rotates q and k and calls cuDNN flash
-attention through `jax.nn.dot_product_attention`. `implementation=None` picks the fastest correct
-path for the platform.
+Both ops take one vocabulary, `implementation=`:
+  "xla"     the reference (float32 math, materialised scores); runs everything.
+  "pallas"  PoPE only: the fused Mosaic GPU kernel in `pallas_kernels` (Hopper), imported lazily
+            so a CPU-only install imports fine.
+  "cudnn"   RoPE only: rotate q and k, then cuDNN flash attention through
+            `jax.nn.dot_product_attention` (NVIDIA GPUs sm80+, plain causal inputs).
+  None      the first of ORDER = ("pallas", "cudnn", "xla") that supports the inputs on this
+            platform (`_why_not`, the same check a named implementation runs).
+A named implementation that cannot run the inputs raises NotImplementedError saying why; an
+unknown name raises ValueError; there is no silent fallback.
 
 Shape letters: B batch, T query length, S key length, N query heads, K kv heads (N % K == 0),
 H q/k head dim, V value head dim.
 
-Causal masking is by absolute position: key s is visible to query t iff k_pos[s] <= q_pos[t].
-Positions default to arange(S) for keys and S - T + arange(T) for queries, so with T < S the
-queries are the last T positions (bottom-right aligned, as KV-cache decoding needs); with T > S
-queries default to arange(T). A query row
-with no visible key returns zeros (never NaN) and has finite gradients.
+Positions, their defaults and masks are those of `pope_jax.positions` (causal by absolute
+position, queries bottom-right aligned by default), checked once per call. A query row with no
+visible key returns zeros (never NaN) and has finite gradients.
 """
 
 from __future__ import annotations
@@ -26,69 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pope_jax import encodings
+from pope_jax import encodings, positions
 
 Array = jax.Array
-
-
-def default_positions(q_len: int, k_len: int) -> tuple[np.ndarray, np.ndarray]:
-  """Default (q_positions [T], k_positions [S]) int32: queries are the last T of S positions.
-
-  numpy arrays, so they stay concrete under `jax.jit`: the fused kernel then derives its
-  position tables at trace time (`pallas_kernels.pope_attention`), not in every call. (Unlike
-  jax arrays they have no `.at`; `jnp.asarray` makes them jax arrays.)"""
-  k_pos = np.arange(k_len, dtype=np.int32)
-  return k_pos[k_len - q_len:] if q_len <= k_len else np.arange(q_len, dtype=np.int32), k_pos
-
-
-def as_positions(positions, *, keep_numpy: bool = False) -> Array | np.ndarray:
-  """Positions as an array: jax arrays (traced or not) as they are; numpy arrays and sequences
-  of ints as numpy with `keep_numpy` (concrete under jit, so the fused kernel derives its
-  position tables at trace time), else as jax arrays (computed inside the caller's jit, so XLA
-  paths do not fold e.g. a [T, S] causal mask into the program as a constant)."""
-  if not isinstance(positions, (jax.Array, np.ndarray)):
-    try:
-      positions = np.asarray(positions)
-    except jax.errors.TracerArrayConversionError:  # a sequence holding traced values
-      return jnp.asarray(positions)
-  if isinstance(positions, np.ndarray) and not keep_numpy:
-    return jnp.asarray(positions)
-  return positions
-
-
-def check_positions(q_positions, k_positions, batch: int, q_len: int, k_len: int) -> None:
-  """Raises ValueError unless q_positions is [T] or [B, T] and k_positions [S] or [B, S], and
-  TypeError unless both hold integers (arrays of any kind)."""
-  for name, pos, length in (("q_positions", q_positions, q_len),
-                            ("k_positions", k_positions, k_len)):
-    if pos.ndim not in (1, 2) or pos.shape[-1] != length or (pos.ndim == 2
-                                                              and pos.shape[0] != batch):
-      raise ValueError(f"{name} must have shape [{length}] or [{batch}, {length}], got "
-                       f"{pos.shape}")
-    if not jnp.issubdtype(pos.dtype, jnp.integer):
-      raise TypeError(f"{name} must be integer positions, got {pos.dtype}")
-
-
-def attention_mask(
-    q_positions: Array, k_positions: Array, *, is_causal: bool, k_valid: Array | None = None
-) -> Array | None:
-  """Boolean mask [B|1, T, S]: True where query t may attend to key s.
-
-  Args:
-    q_positions: [T] or [B, T] int.
-    k_positions: [S] or [B, S] int.
-    is_causal: mask keys whose position exceeds the query's.
-    k_valid: optional [B, S] bool, False for padding keys.
-  """
-  mask = None
-  if is_causal:
-    qp = q_positions if q_positions.ndim == 2 else q_positions[None]
-    kp = k_positions if k_positions.ndim == 2 else k_positions[None]
-    mask = kp[:, None, :] <= qp[:, :, None]
-  if k_valid is not None:
-    valid = k_valid[:, None, :]
-    mask = valid if mask is None else mask & valid
-  return mask
 
 
 def _check_qkv(q: Array, k: Array, v: Array) -> None:
@@ -144,29 +87,13 @@ def _check_multiplier(multiplier, query: Array) -> None:
   encodings.check_finite_multipliers(multiplier, "multiplier")
 
 
-def _positions(q: Array, k: Array, q_positions, k_positions, key_mask, *,
-               keep_numpy: bool = False) -> tuple[Array | np.ndarray, Array | np.ndarray]:
-  """Positions (defaults filled in, `as_positions`) after checking their and key_mask's shapes
-  and dtypes."""
-  dq, dk = default_positions(q.shape[1], k.shape[1])
-  q_pos = as_positions(dq if q_positions is None else q_positions, keep_numpy=keep_numpy)
-  k_pos = as_positions(dk if k_positions is None else k_positions, keep_numpy=keep_numpy)
-  b = q.shape[0]
-  check_positions(q_pos, k_pos, b, q.shape[1], k.shape[1])
-  if key_mask is not None:
-    key_mask = jnp.asarray(key_mask)
-    if key_mask.shape != (b, k.shape[1]) or key_mask.dtype != jnp.bool_:
-      raise ValueError(f"key_mask must be bool [{b}, {k.shape[1]}], got {key_mask.dtype} "
-                       f"{key_mask.shape}")
-  return q_pos, k_pos
-
-
 def _pope_xla(q, k, v, delta, *, base, is_causal, q_positions, k_positions, scale, multiplier,
               key_mask):
-  mask = attention_mask(q_positions, k_positions, is_causal=is_causal, k_valid=key_mask)
+  mask = positions.attention_mask(q_positions, k_positions, is_causal=is_causal,
+                                  k_valid=key_mask)
   # δ enters the query phase with opposite sign: cos(sθ - (tθ - δ)) = cos((s - t)θ + δ), the same
   # score as the paper's key-side bias, and it lets every query head of a GQA group keep its own δ.
-  q_bias = None if delta is None else -encodings.clamp_phase_bias(_check_delta(delta, q))
+  q_bias = None if delta is None else -encodings.clamp_phase_bias(delta)
   qc = encodings.pope_cartesian(q, q_positions, base=base, phase=q_bias, multiplier=multiplier)
   kmult = encodings.kv_head_multiplier(multiplier, q.shape[2], k.shape[2])
   kc = encodings.pope_cartesian(k, k_positions, base=base, multiplier=kmult)
@@ -185,27 +112,72 @@ def _check_delta(delta: Array, q: Array) -> Array:
 
 def _pope_pallas(q, k, v, delta, *, base, is_causal, q_positions, k_positions, scale, multiplier,
                  key_mask):
+  del multiplier, key_mask  # None: `_pope_why_not` refuses them.
   from pallas_kernels import pope_attention as kernel  # Lazy: GPU-only dependency chain.
-  if multiplier is not None or key_mask is not None:
-    raise NotImplementedError(
-        "implementation='pallas' takes neither a frequency multiplier nor a key_mask yet")
+  with jax.ensure_compile_time_eval():  # concrete θ: the kernel's tables stay trace-time constants
+    freqs = encodings.pope_frequencies(q.shape[-1], base)
   return kernel.pope_attention(
-      q, k, v, delta, base=base, is_causal=is_causal, q_positions=q_positions,
-      k_positions=k_positions, scale=scale)
+      q, k, v, None if delta is None else encodings.clamp_phase_bias(delta), frequencies=freqs,
+      is_causal=is_causal, q_positions=q_positions, k_positions=k_positions, scale=scale,
+      cartesian_map=encodings.polar_to_cartesian)
+
+
+# The order in which implementation=None tries the implementations (first that runs wins).
+ORDER = ("pallas", "cudnn", "xla")
+
+
+def _gpu_capability() -> tuple[str, int]:
+  """(platform, compute-capability major) of the default device; major 0 off NVIDIA GPUs."""
+  device = jax.devices()[0]
+  try:
+    major = int(str(getattr(device, "compute_capability", "0")).split(".")[0])
+  except ValueError:
+    major = 0
+  return device.platform, major
+
+
+def _pope_why_not(implementation, q, k, v, *, multiplier, key_mask, **_) -> str | None:
+  """Why PoPE `implementation` cannot run these inputs here, or None if it can."""
+  if implementation == "cudnn":
+    return "cuDNN has no PoPE score; use implementation='pallas' (Hopper GPUs) or 'xla'"
+  if implementation == "pallas":
+    if multiplier is not None or key_mask is not None:
+      return "the pallas kernel takes neither a frequency multiplier nor a key_mask yet"
+    from pallas_kernels import pope_attention as kernel  # Lazy: GPU-only dependency chain.
+    return kernel.unsupported_reason(q, k, v) or kernel.platform_reason()
+  return None
+
+
+def _rope_why_not(implementation, q, k, v, *, plain, local_window, **_) -> str | None:
+  """Why RoPE `implementation` cannot run these inputs here, or None if it can."""
+  if implementation == "pallas":
+    return "there is no RoPE kernel in pallas_kernels; use implementation='cudnn' or 'xla'"
+  if implementation == "cudnn":
+    platform, major = _gpu_capability()
+    if platform != "gpu" or major < 8:
+      return f"cuDNN flash attention needs an NVIDIA GPU of sm80 or newer, not {platform!r}"
+    if not (plain and local_window is None and _cudnn_supports(q, k, v)):
+      return ("cuDNN needs default positions, T == S, no key_mask or local_window and one "
+              "bf16/fp16 dtype for query, key and value with V == H <= 128 (H % 8 == 0); got "
+              f"query {q.dtype} {q.shape}, key {k.dtype} {k.shape}, value {v.dtype} {v.shape}")
+  return None
+
+
+def _choose(op: str, implementation, why_not, *args, **kw) -> str:
+  """The implementation to run: the named one if it can (else NotImplementedError with the
+  reason), or with None the first of ORDER that can."""
+  if implementation is None:
+    return next(name for name in ORDER if why_not(name, *args, **kw) is None)
+  if implementation not in ORDER:
+    raise ValueError(f"{op} implementation must be one of {ORDER} or None, got "
+                     f"{implementation!r}")
+  reason = why_not(implementation, *args, **kw)
+  if reason is not None:
+    raise NotImplementedError(f"{op} implementation={implementation!r}: {reason}")
+  return implementation
 
 
 POPE_IMPLEMENTATIONS: dict[str, Callable[..., Array]] = {"xla": _pope_xla, "pallas": _pope_pallas}
-
-
-def _pick_pope_implementation(q: Array, k: Array, v: Array, multiplier, key_mask) -> str:
-  """The fused kernel on Hopper GPUs (sm90) for the inputs it supports; else XLA."""
-  device = jax.devices()[0]
-  if (multiplier is None and key_mask is None and device.platform == "gpu"
-      and str(getattr(device, "compute_capability", "")).startswith("9.")):
-    from pallas_kernels import pope_attention as kernel  # Lazy: GPU-only dependency chain.
-    if kernel.is_supported(q, k, v):
-      return "pallas"
-  return "xla"
 
 
 def pope_attention(
@@ -232,8 +204,8 @@ def pope_attention(
     delta: None (no phase bias) or [N, H] float phase bias δ, clamped to [-2π, 0]; one row per
       query head, also under GQA.
     base: frequency base, θ_c = base^(-(c-1)/H).
-    is_causal: causal mask by absolute position (see module docstring).
-    q_positions, k_positions: [T] / [S] or [B, T] / [B, S] int; see module docstring for defaults.
+    is_causal: causal mask by absolute position (`pope_jax.positions`).
+    q_positions, k_positions: [T] / [S] or [B, T] / [B, S] int; defaults in `pope_jax.positions`.
       For implementation="pallas", concrete positions (the defaults, numpy arrays, int lists,
       jax arrays closed over by the caller's jit) give the kernel's position tables at trace
       time; traced ones (jit arguments, `jnp.arange` inside jit) add small XLA ops per call.
@@ -241,26 +213,23 @@ def pope_attention(
     multiplier: None, scalar or [N] frequency multiplier (per-layer scaling, PI); under GQA the
       query heads of a group must share one value (see `encodings.kv_head_multiplier`).
     key_mask: None or [B, S] bool, False for padding keys (left-padded batches).
-    implementation: None (best available), "xla" (reference) or "pallas" (fused GPU kernel).
+    implementation: None, "xla" or "pallas" (see the module docstring; "cudnn" raises).
 
   Returns:
     [B, T, N, V] in the query's dtype.
 
   Raises:
-    ValueError: mismatched shapes or positions. NotImplementedError: a named implementation that
-    cannot run these inputs (never a silent fallback).
+    ValueError: mismatched shapes or positions, unknown implementation. NotImplementedError: a
+    named implementation that cannot run these inputs (never a silent fallback).
   """
   _check_qkv(query, key, value)
   _check_multiplier(multiplier, query)
-  delta = None if delta is None else jnp.asarray(delta)
-  if implementation is None:
-    implementation = _pick_pope_implementation(query, key, value, multiplier, key_mask)
-  if implementation not in POPE_IMPLEMENTATIONS:
-    raise ValueError(
-        f"implementation must be one of {sorted(POPE_IMPLEMENTATIONS)} or None, got "
-        f"{implementation!r}")
-  q_pos, k_pos = _positions(query, key, q_positions, k_positions, key_mask,
-                            keep_numpy=implementation == "pallas")
+  delta = None if delta is None else _check_delta(delta, query)
+  implementation = _choose("pope_attention", implementation, _pope_why_not, query, key, value,
+                           multiplier=multiplier, key_mask=key_mask)
+  q_pos, k_pos, key_mask = positions.resolve(
+      query.shape[0], query.shape[1], key.shape[1], q_positions, k_positions, key_mask,
+      keep_numpy=implementation == "pallas")
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
   out = POPE_IMPLEMENTATIONS[implementation](
       query, key, value, delta, base=base, is_causal=is_causal, q_positions=q_pos,
@@ -282,48 +251,41 @@ def rope_attention(
     layout: encodings.RopeLayout = "half",
     frequencies: Array | None = None,
     key_mask: Array | None = None,
+    local_window: int | None = None,
     implementation: str | None = None,
 ) -> Array:
   """RoPE attention (RoFormer Eq. 16): rotate q and k by position·θ, then softmax attention.
 
+  Serves the Llama family: per-row positions, left-padding key_mask, pre-computed (scaled)
+  frequencies, per-head multipliers, GQA, T < S (KV cache) and a sliding window.
+
   Args:
-    query: [B, T, N, H]; key: [B, S, K, H]; value: [B, S, K, V]; H even, N % K == 0.
+    query: [B, T, N, H]; key: [B, S, K, H] un-rotated; value: [B, S, K, V]; H even, N % K == 0.
     base, multiplier, layout, frequencies: see `encodings.apply_rope`.
     is_causal, q_positions, k_positions, scale, key_mask: as in `pope_attention` (scale default
       1/sqrt(H)).
-    implementation: None (best available: "cudnn" on NVIDIA GPUs (sm80+) for one bf16/fp16
-      dtype with default positions, T == S, no key_mask, V == H <= 128; else "xla"), "xla"
-      (reference, float32, materialised scores) or "cudnn" (rotate, then cuDNN flash attention
-      through `jax.nn.dot_product_attention`; NotImplementedError for inputs it cannot run
-      exactly; jax raises RuntimeError where no cuDNN is present).
+    local_window: None, or W: query t sees only keys with q_pos[t] - k_pos[s] < W (Mistral /
+      Qwen2 `sliding_window`; `pope_jax.positions.attention_mask`).
+    implementation: None, "xla" or "cudnn" (see the module docstring; "pallas" raises). "cudnn"
+      runs default positions with T == S, no key_mask or local_window, one bf16/fp16 dtype and
+      V == H <= 128, on NVIDIA GPUs sm80+ (cuDNN's own top-left causal mask is exact there).
 
   Returns:
     [B, T, N, V] in the query's dtype.
 
   Raises:
-    ValueError: mismatched shapes, odd head dim or unknown implementation.
-    NotImplementedError: implementation="cudnn" with positions, a key_mask, T != S, or dtypes and
-      head dims cuDNN does not take.
+    ValueError: mismatched shapes, odd head dim, bad local_window or unknown implementation.
+    NotImplementedError: a named implementation that cannot run these inputs, saying why.
   """
   _check_qkv(query, key, value)
-  # cuDNN's fused kernel applies its own (top-left) causal mask: exact for default positions with
-  # T == S and no key mask; every other case needs the general, position-based mask.
+  _check_multiplier(multiplier, query)
+  positions.check_local_window(local_window)
   plain = (q_positions is None and k_positions is None and key_mask is None
            and query.shape[1] == key.shape[1])
-  if implementation is None:
-    implementation = ("cudnn" if plain and _on_cudnn_gpu() and _cudnn_supports(query, key, value)
-                      else "xla")
-  if implementation not in ("xla", "cudnn"):
-    raise ValueError(f"rope_attention implementation must be None, 'xla' or 'cudnn', got "
-                     f"{implementation!r}")
-  if implementation == "cudnn" and not (plain and _cudnn_supports(query, key, value)):
-    raise NotImplementedError(
-        "rope_attention implementation='cudnn' needs default positions, T == S, no key_mask and "
-        "one bf16/fp16 dtype for query, key and value with V == H <= 128 (H % 8 == 0); got "
-        f"query {query.dtype} {query.shape}, key {key.dtype} {key.shape}, value {value.dtype} "
-        f"{value.shape}; use implementation='xla'")
-  _check_multiplier(multiplier, query)
-  q_pos, k_pos = _positions(query, key, q_positions, k_positions, key_mask)
+  implementation = _choose("rope_attention", implementation, _rope_why_not, query, key, value,
+                           plain=plain, local_window=local_window)
+  q_pos, k_pos, key_mask = positions.resolve(
+      query.shape[0], query.shape[1], key.shape[1], q_positions, k_positions, key_mask)
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
   rope = dict(base=base, layout=layout, frequencies=frequencies)
   qr = encodings.apply_rope(query, q_pos, multiplier=multiplier, **rope)
@@ -332,7 +294,8 @@ def rope_attention(
   if implementation == "cudnn":
     return jax.nn.dot_product_attention(qr, kr, value, scale=scale, is_causal=is_causal,
                                         implementation=CUDNN_BACKEND)
-  mask = attention_mask(q_pos, k_pos, is_causal=is_causal, k_valid=key_mask)
+  mask = positions.attention_mask(q_pos, k_pos, is_causal=is_causal, k_valid=key_mask,
+                                  local_window=local_window)
   return dot_product_attention_reference(qr, kr, value, scale=scale, mask=mask
                                          ).astype(query.dtype)
 
@@ -345,13 +308,3 @@ def _cudnn_supports(q: Array, k: Array, v: Array) -> bool:
   """Whether cuDNN flash attention takes these operands (one bf16/fp16 dtype, V == H <= 128)."""
   return (q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and v.dtype == q.dtype
           and q.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128)
-
-
-def _on_cudnn_gpu() -> bool:
-  """Whether the default device is an NVIDIA GPU of compute capability >= 8.0 (cuDNN flash)."""
-  device = jax.devices()[0]
-  try:
-    major = int(str(getattr(device, "compute_capability", "0")).split(".")[0])
-  except ValueError:
-    major = 0
-  return device.platform == "gpu" and major >= 8

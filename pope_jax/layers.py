@@ -6,12 +6,14 @@ Shape letters: B batch, T length, D model width, N query heads, K kv heads, H he
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pope_jax import attention, encodings
+from pope_jax import attention, encodings, positions as positions_lib
+from pope_jax.dtypes import as_jnp_dtype, canonical_dtype
 
 Array = jax.Array
 
@@ -30,7 +32,8 @@ class PositionalAttention(nn.Module):
       scaled by attention_factor² (q and k each by the factor, once).
     attention_implementation: None (best available), "xla" (reference attention for every
       encoding) or "pallas" (PoPE's fused kernel; RoPE takes its best available path).
-    dtype: compute dtype.
+    dtype: compute dtype as JAX users write it (`jnp.bfloat16`, `np.dtype("float32")`, "bf16",
+      ...; `pope_jax.dtypes.canonical_dtype`).
     kernel_init, out_kernel_init: initialisers of the q/k/v and output projections (default:
       Flax's LeCun normal).
   """
@@ -44,7 +47,7 @@ class PositionalAttention(nn.Module):
   rope_layout: str = "half"
   rope_yarn: object | None = None
   attention_implementation: str | None = None
-  dtype: jnp.dtype = jnp.float32
+  dtype: Any = jnp.float32
   kernel_init: nn.initializers.Initializer = nn.linear.default_kernel_init
   out_kernel_init: nn.initializers.Initializer = nn.linear.default_kernel_init
 
@@ -62,8 +65,9 @@ class PositionalAttention(nn.Module):
       [B, T, D] in `dtype`.
     """
     n, kh, h = self.num_heads, self.num_kv_heads, self.head_dim
+    dtype = as_jnp_dtype(canonical_dtype(self.dtype, argument="PositionalAttention.dtype"))
     dense = lambda heads, name: nn.DenseGeneral(
-        (heads, h), use_bias=False, dtype=self.dtype, name=name, kernel_init=self.kernel_init)
+        (heads, h), use_bias=False, dtype=dtype, name=name, kernel_init=self.kernel_init)
     q, k, v = dense(n, "query")(x), dense(kh, "key")(x), dense(kh, "value")(x)  # [B, T, N|K, H]
     # Default positions stay None so the attention ops can use a fused kernel's own causal mask.
     common = dict(is_causal=True, q_positions=positions, k_positions=positions,
@@ -87,11 +91,11 @@ class PositionalAttention(nn.Module):
           q, k, v, base=self.rope_base, layout=self.rope_layout, **rope, **common,
           implementation="xla" if self.attention_implementation == "xla" else None)
     elif self.pos_encoding == "none":
-      mask = attention.attention_mask(jnp.asarray(positions), jnp.asarray(positions),
-                                      is_causal=True)
+      mask = positions_lib.attention_mask(jnp.asarray(positions), jnp.asarray(positions),
+                                          is_causal=True)
       out = attention.dot_product_attention_reference(
-          q, k, v, scale=h ** -0.5, mask=mask).astype(self.dtype)
+          q, k, v, scale=h ** -0.5, mask=mask).astype(dtype)
     else:
       raise ValueError(f"pos_encoding must be 'rope', 'pope' or 'none', got {self.pos_encoding!r}")
-    return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), use_bias=False, dtype=self.dtype,
+    return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), use_bias=False, dtype=dtype,
                            name="out", kernel_init=self.out_kernel_init)(out)

@@ -18,6 +18,7 @@ import pytest
 
 from pallas_kernels import _streaming
 from pallas_kernels import pope_attention as kernel
+from tests.pallas_kernels.entry import kernel_attention
 from pallas_kernels.pope_attention_config import default_block_sizes
 
 KERNELS = ("pope_fwd_kernel", "pope_dq_kernel", "pope_dkv_kernel")
@@ -26,7 +27,7 @@ KERNELS = ("pope_fwd_kernel", "pope_dq_kernel", "pope_dkv_kernel")
 @pytest.fixture
 def gpu_paths(monkeypatch):
   monkeypatch.setattr(_streaming, "interpreted", lambda: False)
-  monkeypatch.setattr(kernel, "_check_platform", lambda: None)
+  monkeypatch.setattr(kernel, "platform_reason", lambda: None)
 
 
 def _lowered_text(h, vd, n, kh, change, dtype=jnp.bfloat16, is_causal=True):
@@ -37,7 +38,7 @@ def _lowered_text(h, vd, n, kh, change, dtype=jnp.bfloat16, is_causal=True):
   delta = jax.ShapeDtypeStruct((n, h), jnp.float32)
 
   def loss(q, k, v, delta):
-    out = kernel.pope_attention(q, k, v, delta, is_causal=is_causal, block_sizes=blocks)
+    out = kernel_attention(q, k, v, delta, is_causal=is_causal, block_sizes=blocks)
     return out.astype(jnp.float32).sum()
 
   grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))

@@ -25,7 +25,8 @@ from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
 from pallas_kernels.pope_attention_fwd import (TABLE_DTYPE, cartesian_halves,
                                                cartesian_halves_from_tables, forward_stages,
                                                use_query_tables, resolve_forward)
-from pope_jax import attention, encodings
+from pope_jax import attention, encodings, positions
+from tests.pallas_kernels.entry import kernel_attention
 
 # The Mosaic GPU interpreter sometimes deadlocks on a 2-core machine (its warpgroups run as
 # threads; seen once in four full runs on 2026-12-02, in the fp16 dq kernel; the same inputs pass
@@ -69,7 +70,7 @@ def _value_and_grads(impl, q, k, v, delta, cot, **kw):
 def _kernel_value_and_grads(blocks, q, k, v, delta, cot, **kw):
   """The kernel's output and gradients (q, k, v, δ) at `blocks`, in the interpreter."""
   def loss(q, k, v, delta):
-    out = kernel.pope_attention(q, k, v, delta, block_sizes=blocks, **kw)
+    out = kernel_attention(q, k, v, delta, block_sizes=blocks, **kw)
     return (out.astype(jnp.float32) * cot).sum(), out
 
   with plgpu.force_gpu_interpret_mode():
@@ -192,7 +193,7 @@ def test_traced_positions_match_reference_for_each_value():
   q, k, v, delta, cot = _problem((1, 2, 1, 32), 60, 150, seed=21)
 
   def loss(q, k, v, delta, q_pos, k_pos):
-    out = kernel.pope_attention(q, k, v, delta, is_causal=True, q_positions=q_pos,
+    out = kernel_attention(q, k, v, delta, is_causal=True, q_positions=q_pos,
                                 k_positions=k_pos)
     return (out.astype(jnp.float32) * cot).sum(), out
 
@@ -215,7 +216,7 @@ def test_concrete_positions_are_trace_time_constants(positions):
   q, k, v, delta, _ = _problem((1, 2, 1, 32), 20, 40, seed=2)
   fn = lambda q: attention.pope_attention(q, k, v, delta, is_causal=True,
                                           implementation="pallas", **positions)
-  traced = lambda q, p: kernel.pope_attention(q, k, v, delta, is_causal=True, q_positions=p)
+  traced = lambda q, p: kernel_attention(q, k, v, delta, is_causal=True, q_positions=p)
   # Nor the trigonometry of the query and key tables (`query_table` [1, T_pad = 128, H],
   # `key_table` [1, S, 1, H]): only the phase's, [N, H].
   table_cos = re.compile(r"stablehlo.cosine %[\w#]+ : tensor<1x(128x32|40x1x32)xf32>")
@@ -260,7 +261,7 @@ def test_layers_share_one_constant_table():
 def test_concrete_positions_beyond_float32_range_raise():
   q, k, v, delta, _ = _problem((1, 2, 1, 32), 20, 40, seed=2)
   with plgpu.force_gpu_interpret_mode(), pytest.raises(ValueError, match="k_positions"):
-    kernel.pope_attention(q, k, v, delta, is_causal=True, q_positions=np.arange(20),
+    kernel_attention(q, k, v, delta, is_causal=True, q_positions=np.arange(20),
                           k_positions=2**24 + np.arange(40))
 
 
@@ -269,16 +270,18 @@ def test_x64_mode_raises_a_clear_error():
   with jax.enable_x64(True):
     assert not kernel.is_supported(q, k, v)
     with plgpu.force_gpu_interpret_mode(), pytest.raises(NotImplementedError, match="x64"):
-      kernel.pope_attention(q, k, v, delta)
+      kernel_attention(q, k, v, delta)
 
 
 def test_kernel_positions_validate():
+  # Checked once, by the op (`pope_jax.positions`), before the kernel.
   q, k, v, delta, _ = _problem((1, 2, 1, 32), 20, 40, seed=2)
+  run = functools.partial(attention.pope_attention, implementation="pallas")
   with plgpu.force_gpu_interpret_mode():
     with pytest.raises(TypeError, match="q_positions must be integer"):
-      kernel.pope_attention(q, k, v, delta, q_positions=np.arange(20) * 0.5)
+      run(q, k, v, delta, q_positions=np.arange(20) * 0.5)
     with pytest.raises(ValueError, match="k_positions must have shape"):
-      kernel.pope_attention(q, k, v, delta, k_positions=jnp.arange(21))
+      run(q, k, v, delta, k_positions=jnp.arange(21))
 
 
 @pytest.mark.parametrize("family, value_dim, is_causal",
@@ -366,10 +369,10 @@ def test_visit_table_skips_only_invisible_blocks():
 def test_unsupported_inputs_raise():
   q = jnp.zeros((1, 8, 2, 48), jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="head dim"):
-    kernel.pope_attention(q, q, q)
+    kernel_attention(q, q, q)
   q32 = jnp.zeros((1, 8, 2, 64), jnp.float32)
   with pytest.raises(NotImplementedError, match="dtype"):
-    kernel.pope_attention(q32, q32, q32)
+    kernel_attention(q32, q32, q32)
   assert not kernel.is_supported(q32, q32, q32)
   spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
   q16 = spec((1, 8, 2, 64))
@@ -381,10 +384,10 @@ def test_unsupported_inputs_raise():
   assert not kernel.is_supported(q16, spec((1, 8, 2, 32)), q16)                # key head dim
   q2 = jnp.zeros((2, 8, 2, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="one batch"):
-    kernel.pope_attention(q2, q2[:1], q2[:1])
+    kernel_attention(q2, q2[:1], q2[:1])
   q64 = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="Hopper"):                   # CPU, no interpreter
-    kernel.pope_attention(q64, q64, q64)
+    kernel_attention(q64, q64, q64)
 
 
 
@@ -513,7 +516,7 @@ def test_forward_schedules(blocks, is_causal):
   q_pos = jnp.arange(150, dtype=jnp.int32) * 2
   kw = dict(is_causal=is_causal, q_positions=q_pos, k_positions=jnp.arange(330))
   with plgpu.force_gpu_interpret_mode():
-    got = jax.jit(functools.partial(kernel.pope_attention, block_sizes=blocks, **kw))(
+    got = jax.jit(functools.partial(kernel_attention, block_sizes=blocks, **kw))(
         q, k, v, delta)
   want = attention.pope_attention(q, k, v, delta, implementation="xla", **kw)
   got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
@@ -529,7 +532,7 @@ def _stale_max_steps(q, k, delta, block_q, block_kv, threshold):
   max; and the steps after a tile's first where no row of the `block_q`-row tile moved its max
   (the interpreter, whose vote ORs over the tile, skips the rescale) or some row did."""
   h = q.shape[-1]
-  t_pos, s_pos = attention.default_positions(q.shape[1], k.shape[1])
+  t_pos, s_pos = positions.default_positions(q.shape[1], k.shape[1])
   a = encodings.pope_cartesian(q.astype(jnp.float32), t_pos,
                                phase=-encodings.clamp_phase_bias(delta))
   b = encodings.pope_cartesian(k.astype(jnp.float32), s_pos)
@@ -643,14 +646,14 @@ def test_forward_stages_fit_in_smem(monkeypatch):
   assert not use_query_tables(h128, 128, 128, bf16, save_a=False)  # off by default there
   q = jnp.zeros((1, 128, 1, 128), bf16)
   with plgpu.force_gpu_interpret_mode(), pytest.raises(ValueError, match="stages_fwd"):
-    kernel.pope_attention(q, q, q, block_sizes=too_deep)
+    kernel_attention(q, q, q, block_sizes=too_deep)
 
 
 def test_backward_smem_error_names_fields():
   # Six backward stages at H = 128 overflow the dq kernel's SMEM: a clear error at trace time.
   blocks = dataclasses.replace(default_block_sizes(128), stages=6, stages_fwd=2)
   q = jax.ShapeDtypeStruct((1, 128, 1, 128), jnp.bfloat16)
-  grad = jax.grad(lambda q: kernel.pope_attention(q, q, q, block_sizes=blocks).sum().astype(
+  grad = jax.grad(lambda q: kernel_attention(q, q, q, block_sizes=blocks).sum().astype(
       jnp.float32))
   with plgpu.force_gpu_interpret_mode(), pytest.raises(ValueError, match="dq.*stages"):
     jax.eval_shape(grad, q)
@@ -751,7 +754,7 @@ def test_bounded_flags_route_each_tile(monkeypatch):
   monkeypatch.setattr(kernel, "bounded_tiles", lambda *_: flags)
   blocks = dataclasses.replace(default_block_sizes(32), bounded_softmax=True)
   with plgpu.force_gpu_interpret_mode():
-    out = np.asarray(jax.jit(functools.partial(kernel.pope_attention, is_causal=True,
+    out = np.asarray(jax.jit(functools.partial(kernel_attention, is_causal=True,
                                                block_sizes=blocks))(q, k, v, delta), np.float32)
   finite = np.isfinite(out).all(-1)                                   # [B, T, N]
   assert finite[:, :128, 1].mean() < 0.5

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from pope_jax import attention, encodings
+from pope_jax import attention, encodings, positions
 
 softplus = lambda x: np.log1p(np.exp(x))
 
@@ -129,6 +129,7 @@ def test_rope_cudnn_path_matches_xla_reference(monkeypatch, n, k, causal):
   """The "cudnn" branch (rotation, then jax.nn's fused op with its own causal mask), run on CPU
   through jax.nn's XLA backend, equals the reference in value and gradient (bf16 inputs)."""
   monkeypatch.setattr(attention, "CUDNN_BACKEND", "xla")
+  monkeypatch.setattr(attention, "_gpu_capability", lambda: ("gpu", 9))
   q, kk, v, _ = _qkv(b=2, t=6, s=6, n=n, k=k, h=8, seed=3, dtype=jnp.bfloat16)
   run = lambda impl: lambda q, kk, v: attention.rope_attention(
       q, kk, v, is_causal=causal, implementation=impl).astype(jnp.float32)
@@ -152,7 +153,7 @@ def test_rope_cudnn_refuses_what_it_cannot_run_exactly(kw, t, s, dtype):
 
 
 def test_rope_default_picks_cudnn_only_for_inputs_it_takes(monkeypatch):
-  monkeypatch.setattr(attention, "_on_cudnn_gpu", lambda: True)
+  monkeypatch.setattr(attention, "_gpu_capability", lambda: ("gpu", 9))
   monkeypatch.setattr(attention, "CUDNN_BACKEND", "no such backend")   # raises if chosen
   q, kk, v, _ = _qkv(dtype=jnp.bfloat16)
   with pytest.raises(ValueError, match="no such backend"):
@@ -202,8 +203,8 @@ def test_output_dtype_follows_query():
                                                  frequencies=jnp.ones(3)), ValueError, "even"),
     (lambda q, k, v, d: attention.pope_attention(q, k, v, d, implementation="pallas"),
      NotImplementedError, "pallas PoPE attention"),   # never a silent fallback (here: on CPU)
-    (lambda q, k, v, d: attention.rope_attention(q, k, v, implementation="pallas"), ValueError,
-     "implementation"),
+    (lambda q, k, v, d: attention.rope_attention(q, k, v, implementation="pallas"),
+     NotImplementedError, "no RoPE kernel"),
     (lambda q, k, v, d: attention.rope_attention(q, k[..., :4], v), ValueError, "head dim"),
     (lambda q, k, v, d: attention.pope_attention(q.astype(jnp.int32), k, v, d), TypeError,
      "query"),
@@ -222,19 +223,56 @@ def test_bad_input(call, err, match):
 
 
 def test_default_implementation_picks_the_kernel_only_where_it_runs(monkeypatch):
+  from pallas_kernels import pope_attention as kernel
   class FakeDevice:
     def __init__(self, platform, capability):
       self.platform, self.compute_capability = platform, capability
   q16 = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
-  pick = attention._pick_pope_implementation
+  pick = lambda q, k, v, multiplier, key_mask: attention._choose(
+      "pope_attention", None, attention._pope_why_not, q, k, v, multiplier=multiplier,
+      key_mask=key_mask)
   assert pick(q16, q16, q16, None, None) == "xla"                         # CPU
   monkeypatch.setattr(jax, "devices", lambda: [FakeDevice("gpu", "9.0")])
+  assert kernel.platform_reason() is None
   assert pick(q16, q16, q16, None, None) == "pallas"
   assert pick(q16, q16, q16.astype(jnp.float32), None, None) == "xla"     # mixed dtypes
   assert pick(q16.astype(jnp.float32), q16, q16, None, None) == "xla"     # float32
   assert pick(q16, q16, q16, 0.5, None) == "xla"                          # multiplier
   monkeypatch.setattr(jax, "devices", lambda: [FakeDevice("gpu", "8.0")])
   assert pick(q16, q16, q16, None, None) == "xla"                         # not Hopper
+
+
+@pytest.mark.parametrize("fn, impl, match", [
+    (attention.pope_attention, "cudnn", "cuDNN has no PoPE score"),
+    (attention.rope_attention, "pallas", "no RoPE kernel"),
+    (attention.pope_attention, "pallas", "Hopper"),                       # CPU
+    (attention.rope_attention, "cudnn", "NVIDIA GPU")])                  # CPU
+def test_named_implementations_that_cannot_run_say_why(fn, impl, match):
+  q, k, v, delta = _qkv(dtype=jnp.bfloat16, h=32)
+  args = (q, k, v, delta) if fn is attention.pope_attention else (q, k, v)
+  with pytest.raises(NotImplementedError, match=match):
+    fn(*args, implementation=impl)
+
+
+@pytest.mark.parametrize("fn", [attention.pope_attention, attention.rope_attention])
+def test_unknown_implementation_is_a_value_error(fn):
+  q, k, v, delta = _qkv()
+  args = (q, k, v, delta) if fn is attention.pope_attention else (q, k, v)
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    fn(*args, implementation="jax_nn")
+
+
+def test_local_window_masks_keys_w_or_more_positions_back():
+  q, k, v, _ = _qkv(b=2, t=6, s=6)
+  out = attention.rope_attention(q, k, v, is_causal=True, local_window=2, implementation="xla")
+  pos = jnp.arange(6)
+  mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 2)
+  ref = attention.dot_product_attention_reference(
+      encodings.apply_rope(q, pos), encodings.apply_rope(k, pos), v, scale=q.shape[-1] ** -0.5,
+      mask=mask[None])
+  np.testing.assert_array_equal(out, ref.astype(out.dtype))
+  with pytest.raises(ValueError, match="local_window"):
+    attention.rope_attention(q, k, v, local_window=0)
 
 
 @pytest.mark.parametrize("fn", [attention.pope_attention, attention.rope_attention])
@@ -274,7 +312,26 @@ def test_default_positions_build_the_mask_inside_the_program(fn):
 
 
 def test_as_positions_keeps_numpy_only_when_asked():
-  assert isinstance(attention.as_positions([1, 2], keep_numpy=True), np.ndarray)
-  assert isinstance(attention.as_positions(np.arange(3)), jax.Array)
-  traced = jax.jit(lambda p: attention.as_positions(p, keep_numpy=True))(jnp.arange(3))
+  assert isinstance(positions.as_positions([1, 2], keep_numpy=True), np.ndarray)
+  assert isinstance(positions.as_positions(np.arange(3)), jax.Array)
+  traced = jax.jit(lambda p: positions.as_positions(p, keep_numpy=True))(jnp.arange(3))
   np.testing.assert_array_equal(traced, np.arange(3))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.dtype("bfloat16"), "bf16", "bfloat16"])
+def test_positional_attention_takes_dtypes_as_jax_users_write_them(dtype):
+  from pope_jax.layers import PositionalAttention
+  layer = PositionalAttention(num_heads=2, num_kv_heads=1, head_dim=8, pos_encoding="rope",
+                              dtype=dtype)
+  x = jnp.ones((1, 4, 16), jnp.float32)
+  out = layer.apply(layer.init(jax.random.key(0), x), x)
+  assert out.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("dtype, err", [("int8", ValueError), (object(), TypeError)])
+def test_positional_attention_dtype_errors_name_the_argument(dtype, err):
+  from pope_jax.layers import PositionalAttention
+  layer = PositionalAttention(num_heads=2, num_kv_heads=1, head_dim=8, dtype=dtype)
+  x = jnp.ones((1, 4, 16), jnp.float32)
+  with pytest.raises(err, match="PositionalAttention.dtype"):
+    layer.init(jax.random.key(0), x)

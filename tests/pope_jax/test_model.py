@@ -125,7 +125,7 @@ def test_config_errors_name_the_field(kwargs, match):
 def test_xla_attention_implementation_pins_rope_to_the_reference(monkeypatch):
   """ModelConfig(attention_implementation="xla") keeps RoPE off cuDNN even where it would run."""
   from pope_jax import attention
-  monkeypatch.setattr(attention, "_on_cudnn_gpu", lambda: True)
+  monkeypatch.setattr(attention, "_gpu_capability", lambda: ("gpu", 9))
   monkeypatch.setattr(attention, "CUDNN_BACKEND", "no such backend")   # raises if chosen
   tokens = jnp.zeros((1, 8), jnp.int32)
   for impl, fails in (("xla", False), (None, True)):

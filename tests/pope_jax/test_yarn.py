@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pope_jax import attention, encodings
+from pope_jax import attention, encodings, positions
 from pope_jax.config import ModelConfig, YarnConfig
 from pope_jax.layers import PositionalAttention
 from pope_jax.model import Transformer
@@ -85,7 +85,7 @@ def test_model_applies_yarn_frequencies_and_temperature_once():
   pos = jnp.arange(12)
   qr = encodings.apply_rope(q, pos, frequencies=freqs) * af
   kr = encodings.apply_rope(k, pos, frequencies=freqs) * af
-  mask = attention.attention_mask(pos, pos, is_causal=True)
+  mask = positions.attention_mask(pos, pos, is_causal=True)
   ref = attention.dot_product_attention_reference(qr, kr, v, scale=8 ** -0.5, mask=mask)
   want = jnp.einsum("btnh,nhd->btd", ref, lp["out"]["kernel"])
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)

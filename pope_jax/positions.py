@@ -1,0 +1,124 @@
+"""Positions and masks of every attention path: defaults, checks, and the boolean mask.
+
+Causal masking is by absolute position: key s is visible to query t iff k_pos[s] <= q_pos[t];
+with a `local_window` W also q_pos[t] - k_pos[s] < W (the last W positions, Mistral / Qwen2
+`sliding_window`). Positions default to arange(S) for keys and S - T + arange(T) for queries, so
+with T < S the queries are the last T positions (bottom-right aligned, as KV-cache decoding
+needs); with T > S queries default to arange(T).
+
+Shape letters: B batch, T query length, S key length.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+
+def default_positions(q_len: int, k_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """Default (q_positions [T], k_positions [S]) int32: queries are the last T of S positions.
+
+  numpy arrays, so they stay concrete under `jax.jit`: the fused kernel then derives its
+  position tables at trace time, not in every call. (Unlike jax arrays they have no `.at`;
+  `jnp.asarray` makes them jax arrays.)"""
+  k_pos = np.arange(k_len, dtype=np.int32)
+  return k_pos[k_len - q_len:] if q_len <= k_len else np.arange(q_len, dtype=np.int32), k_pos
+
+
+def as_positions(positions, *, keep_numpy: bool = False) -> Array | np.ndarray:
+  """Positions as an array: jax arrays (traced or not) as they are; numpy arrays and sequences
+  of ints as numpy with `keep_numpy` (concrete under jit, so the fused kernel derives its
+  position tables at trace time), else as jax arrays (computed inside the caller's jit, so XLA
+  paths do not fold e.g. a [T, S] causal mask into the program as a constant)."""
+  if not isinstance(positions, (jax.Array, np.ndarray)):
+    try:
+      positions = np.asarray(positions)
+    except jax.errors.TracerArrayConversionError:  # a sequence holding traced values
+      return jnp.asarray(positions)
+  if isinstance(positions, np.ndarray) and not keep_numpy:
+    return jnp.asarray(positions)
+  return positions
+
+
+def check_positions(q_positions, k_positions, batch: int, q_len: int, k_len: int) -> None:
+  """Raises ValueError unless q_positions is [T] or [B, T] and k_positions [S] or [B, S], and
+  TypeError unless both hold integers (arrays of any kind)."""
+  for name, pos, length in (("q_positions", q_positions, q_len),
+                            ("k_positions", k_positions, k_len)):
+    if pos.ndim not in (1, 2) or pos.shape[-1] != length or (pos.ndim == 2
+                                                              and pos.shape[0] != batch):
+      raise ValueError(f"{name} must have shape [{length}] or [{batch}, {length}], got "
+                       f"{pos.shape}")
+    if not jnp.issubdtype(pos.dtype, jnp.integer):
+      raise TypeError(f"{name} must be integer positions, got {pos.dtype}")
+
+
+def check_key_mask(key_mask, batch: int, k_len: int) -> Array | None:
+  """key_mask as a jax array. Raises ValueError unless it is None or bool [B, S]."""
+  if key_mask is None:
+    return None
+  key_mask = jnp.asarray(key_mask)
+  if key_mask.shape != (batch, k_len) or key_mask.dtype != jnp.bool_:
+    raise ValueError(f"key_mask must be bool [{batch}, {k_len}], got {key_mask.dtype} "
+                     f"{key_mask.shape}")
+  return key_mask
+
+
+def check_local_window(local_window) -> None:
+  """Raises ValueError unless local_window is None or a positive int."""
+  if local_window is not None and (not isinstance(local_window, (int, np.integer))
+                                   or local_window <= 0):
+    raise ValueError(f"local_window must be a positive int or None, got {local_window!r}")
+
+
+def resolve(batch: int, q_len: int, k_len: int, q_positions, k_positions, key_mask, *,
+            keep_numpy: bool = False):
+  """Positions with their defaults filled in (`as_positions`) and the key mask, checked once.
+
+  Args:
+    batch, q_len, k_len: B, T, S.
+    q_positions, k_positions: None, [T] / [S] or [B, T] / [B, S] integer positions.
+    key_mask: None or [B, S] bool.
+    keep_numpy: keep concrete positions as numpy (for the fused kernel's trace-time tables).
+
+  Returns:
+    (q_positions, k_positions, key_mask).
+
+  Raises:
+    ValueError: positions or key_mask of the wrong shape. TypeError: non-integer positions.
+  """
+  dq, dk = default_positions(q_len, k_len)
+  q_pos = as_positions(dq if q_positions is None else q_positions, keep_numpy=keep_numpy)
+  k_pos = as_positions(dk if k_positions is None else k_positions, keep_numpy=keep_numpy)
+  check_positions(q_pos, k_pos, batch, q_len, k_len)
+  return q_pos, k_pos, check_key_mask(key_mask, batch, k_len)
+
+
+def attention_mask(
+    q_positions: Array, k_positions: Array, *, is_causal: bool, k_valid: Array | None = None,
+    local_window: int | None = None,
+) -> Array | None:
+  """Boolean mask [B|1, T, S]: True where query t may attend to key s, or None (all visible).
+
+  Args:
+    q_positions: [T] or [B, T] int.
+    k_positions: [S] or [B, S] int.
+    is_causal: mask keys whose position exceeds the query's.
+    k_valid: optional [B, S] bool, False for padding keys.
+    local_window: None, or W: mask keys W or more positions before the query.
+  """
+  qp = q_positions if q_positions.ndim == 2 else q_positions[None]
+  kp = k_positions if k_positions.ndim == 2 else k_positions[None]
+  mask = None
+  if is_causal:
+    mask = kp[:, None, :] <= qp[:, :, None]
+  if local_window is not None:
+    near = qp[:, :, None] - kp[:, None, :] < local_window
+    mask = near if mask is None else mask & near
+  if k_valid is not None:
+    valid = k_valid[:, None, :]
+    mask = valid if mask is None else mask & valid
+  return mask
