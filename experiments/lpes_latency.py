@@ -45,16 +45,19 @@ def main(argv=None) -> None:
   p.add_argument("--prompt-len", type=int, default=2048)
   p.add_argument("--new-tokens", type=int, default=32)
   p.add_argument("--repeats", type=int, default=5)
-  p.add_argument("--attention", default="jax_nn", choices=("xla", "jax_nn"))
+  p.add_argument("--attention", default="auto", choices=("auto", "xla", "cudnn"),
+                 help="Llama attention implementation; auto picks cuDNN where it runs, else xla "
+                      "(default: %(default)s)")
   p.add_argument("--out", default="runs/lpes_latency")
   args = p.parse_args(argv)
+  attention = None if args.attention == "auto" else args.attention
   if args.model:
     from lpes_jax.checkpoints import load_checkpoint
     cfg, params = load_checkpoint(args.model, dtype=args.dtype,
-                                  attention_implementation=args.attention)
+                                  attention_implementation=attention)
   else:
     cfg = LlamaConfig(**PRESETS[args.preset], dtype=args.dtype,
-                      attention_implementation=args.attention)
+                      attention_implementation=attention)
     params = init_params(cfg, jax.random.key(0))
   model = Llama(cfg)
   greedy = functools.partial(generate.greedy_tokens, cfg)

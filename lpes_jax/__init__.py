@@ -43,7 +43,7 @@ def load_pretrained(path: str, *, dtype: Any = "float32",
     path: folder with config.json and model.safetensors (or a sharded index), or a .gguf file.
     dtype: parameter and activation dtype as JAX users write it: `jnp.float32`, `jnp.bfloat16`,
       `np.dtype("float16")`, "bf16", ...; the config stores the canonical name ("bfloat16").
-    overrides: LlamaConfig fields to replace, e.g. attention_implementation="jax_nn".
+    overrides: LlamaConfig fields to replace, e.g. attention_implementation="cudnn".
 
   Raises:
     TypeError, ValueError: `dtype` is not a float32/bfloat16/float16 dtype (the message names

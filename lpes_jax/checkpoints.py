@@ -392,7 +392,7 @@ def load_checkpoint(path: str, *, dtype: Any = "float32", **overrides) -> tuple[
     path: folder with config.json, or a .gguf file.
     dtype: parameter dtype as JAX users write it (`jnp.float32`, `np.dtype("float16")`, "bf16",
       ...); the config stores its canonical name.
-    overrides: LlamaConfig fields to replace (e.g. attention_implementation="jax_nn").
+    overrides: LlamaConfig fields to replace (e.g. attention_implementation="cudnn").
 
   Raises:
     FileNotFoundError: path is neither a folder nor a file.
