@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _streaming as st
+from pallas_kernels import _warpgroup_ops as ops
 from pallas_kernels.pope_attention_config import BlockSizes
 
 _LN2 = math.log(2.0)
@@ -71,8 +72,8 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
   With `magnitude_scale`, the epilogue maps da through the query map's VJP (`cartesian_vjp`,
   from the resident tile a), so no XLA pass reads da and recomputes the map. Without, it
   returns da: the caller maps it (for fp16, whose range cannot hold dφ ∝ da·a per element
-  where the raw queries are below about -6: the phase gradient, its sum, lost up to 13 % there
-  on CPU, docs/results run 14).
+  where the raw queries are below about -6, so the phase gradient, its sum, would lose
+  precision).
 
   Args:
     a: [B, T, N, D] Cartesian queries a = s·softplus(q)·[cos φ, sin φ] (the forward's);
@@ -140,7 +141,7 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
               s_blk = jnp.where(visible, s_blk, st.NEG_INF)
             return jnp.exp2(s_blk - st.broadcast(lse, (bq, bk), 0))
 
-          _, (dq_acc,) = st.gradient_step(
+          _, (dq_acc,) = ops.gradient_step(
               (a_smem.at[wg], b_smem.at[slot].transpose((1, 0)), (bq, bk)),
               (do_smem.at[wg], v_smem.at[slot].transpose((1, 0)), (bq, bk)),
               probs, lambda p, dp: p * (dp - st.broadcast(dlt, (bq, bk), 0)),
@@ -211,8 +212,7 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
   `outputs` picks which of the two one launch computes: both share P, but at D = 256 (H = 128)
   their float32 accumulators (db 128 + dv 64 registers per thread) and the P, dP tiles exceed a
   warpgroup's registers and spill, so `BlockSizes.split_dkv` computes them in two launches (dv's
-  repeats the a bᵀ matmul and the pass over a, dO, lse; still faster at H = 128, see
-  docs/results/attention_kernel.md, run 9).
+  repeats the a bᵀ matmul and the pass over a, dO, lse; still faster at H = 128: no spills).
 
   Args:
     as in `pope_attention_dq` (without magnitude_scale: b = softplus(k)·[cos sθ, sin sθ] has
@@ -328,7 +328,7 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outp
 
           p_terms = ((accs["dv"], do_smem.at[slot]),) if want_dv else ()
           ds_terms = ((accs["dk"], a_smem.at[slot]),) if want_dk else ()
-          p_accs, ds_accs = st.gradient_step(
+          p_accs, ds_accs = ops.gradient_step(
               (b_smem.at[wg], a_smem.at[slot].transpose((1, 0)), (bk, bq)),
               (smem["v"].at[wg], do_smem.at[slot].transpose((1, 0)), (bk, bq)),
               probs, ds_of, p_terms, ds_terms, dtype, overlap=blocks.overlap_bwd)
