@@ -60,9 +60,7 @@ def _time_ms(fn, *args, iters: int, windows: int = TIMING_WINDOWS,
   """Wall-clock ms per call: the median over `windows` windows of back-to-back calls each (the
   mean within a window), after two warm-up calls. A window has at least `iters` calls and enough
   to last `min_window_ms`: a window pays one dispatch latency and one host sync, which longer
-  windows amortise (docs/results run 23: our H64 forward 0.500 ms per call in windows of 10
-  calls, 0.467 in windows of 100 ms). Runs up to 22 used one window of `iters` calls.
-  `min_window_ms` None: the module's MIN_WINDOW_MS (--min-window-ms)."""
+  windows amortise. `min_window_ms` None: the module's MIN_WINDOW_MS (--min-window-ms)."""
   min_window_ms = MIN_WINDOW_MS if min_window_ms is None else min_window_ms
   jax.block_until_ready(fn(*args))
   start = time.perf_counter()
