@@ -99,8 +99,8 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
   grid = schedule.shape[0]
 
   def pope_dq_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
-                     tab_ref, sched_ref, dq_ref, a_smem, do_smem, lse_smem, delta_smem, qpos_smem, b_smem,
-                     v_smem, kpos_smem, res_bar, ready, consumed):
+                     tab_ref, sched_ref, dq_ref, a_smem, do_smem, lse_smem, delta_smem,
+                     qpos_smem, b_smem, v_smem, kpos_smem, res_bar, ready, consumed):
     wg = lax.axis_index("wg")
     for_items = st.for_each_item(sched_ref)
 
