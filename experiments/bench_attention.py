@@ -21,7 +21,7 @@ windows of at least --iters calls and `MIN_WINDOW_MS` each (`_time_ms`).
 shapes (the check_* shapes of `pallas_kernels.shapes`, or those of --check-shapes), in each
 dtype of --check-dtypes (default bfloat16), and exits 1 (after writing the JSON) if any is off
 by more than --check-tol.
---profile adds device time per op (`experiments.profile_ops`) of the PoPE fwd+bwd paths at head
+--profile adds device time per op (`experiments._profiling`) of the PoPE fwd+bwd paths at head
 dims 64 and 128 and, with --train-step, of both train steps.
 """
 
@@ -43,8 +43,8 @@ import numpy as np
 
 from pallas_kernels import pope_attention as kernel
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
-from pallas_kernels.shapes import SHAPES, AttentionShape
-from experiments import profile_ops
+from pallas_kernels.shapes import SHAPES, random_inputs
+from experiments import _profiling
 from pope_jax import attention, encodings, positions
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense matmul peak on the H200 (issue text)
@@ -60,9 +60,7 @@ def _time_ms(fn, *args, iters: int, windows: int = TIMING_WINDOWS,
   """Wall-clock ms per call: the median over `windows` windows of back-to-back calls each (the
   mean within a window), after two warm-up calls. A window has at least `iters` calls and enough
   to last `min_window_ms`: a window pays one dispatch latency and one host sync, which longer
-  windows amortise (docs/results run 23: our H64 forward 0.500 ms per call in windows of 10
-  calls, 0.467 in windows of 100 ms). Runs up to 22 used one window of `iters` calls.
-  `min_window_ms` None: the module's MIN_WINDOW_MS (--min-window-ms)."""
+  windows amortise. `min_window_ms` None: the module's MIN_WINDOW_MS (--min-window-ms)."""
   min_window_ms = MIN_WINDOW_MS if min_window_ms is None else min_window_ms
   jax.block_until_ready(fn(*args))
   start = time.perf_counter()
@@ -77,18 +75,6 @@ def _time_ms(fn, *args, iters: int, windows: int = TIMING_WINDOWS,
     jax.block_until_ready(out)
     per_call.append((time.perf_counter() - start) / calls * 1e3)
   return float(np.median(per_call))
-
-
-def _inputs(shape: AttentionShape, dtype=jnp.bfloat16, seed: int = 0):
-  ks = jax.random.split(jax.random.key(seed), 4)
-  q = jax.random.normal(ks[0], (shape.batch, shape.q_len, shape.num_heads, shape.head_dim), dtype)
-  k = jax.random.normal(ks[1], (shape.batch, shape.k_len, shape.num_kv_heads, shape.head_dim),
-                        dtype)
-  v = jax.random.normal(ks[2], (shape.batch, shape.k_len, shape.num_kv_heads, shape.value_dim),
-                        dtype)
-  delta = jax.random.uniform(ks[3], (shape.num_heads, shape.head_dim), jnp.float32,
-                             -2 * math.pi, 0.0)
-  return q, k, v, delta
 
 
 def _concat_cartesian(x, positions, base, phase=None):
@@ -196,7 +182,7 @@ def _measure(name, fn, args, flops, iters):
 def bench_head_dim(shape_name: str, iters: int, with_tokamax: bool,
                    dtype=jnp.bfloat16) -> dict:
   shape = SHAPES[shape_name]
-  args = _inputs(shape, jnp.dtype(dtype))
+  args = random_inputs(shape, jnp.dtype(dtype))
   flops = shape.forward_flops()
   rows = [_measure("xla reference", _pope_xla, args, flops, iters)]
   rows += [_measure(name, fn, args, flops, iters) for name, (fn, tk) in BASELINES.items()
@@ -245,7 +231,7 @@ def check(names, changes=({},), dtypes=(jnp.bfloat16,)) -> list[dict]:
   results = []
   for name, change, dtype in itertools.product(names, changes, dtypes):
     shape = SHAPES[name]
-    q, k, v, delta = _inputs(shape, jnp.dtype(dtype), seed=1)
+    q, k, v, delta = random_inputs(shape, jnp.dtype(dtype), seed=1)
     rows = kernel.forward_tile_rows(default_block_sizes(shape.head_dim), shape.head_dim,
                                     shape.value_dim, q.dtype)
     q = q * _tile_scale(q.shape[1], rows).astype(q.dtype)
@@ -302,7 +288,7 @@ def variants(iters: int) -> list[dict]:
   out = []
   for name, q_scale, changes in VARIANTS:
     shape = SHAPES[name]
-    q, *rest = _inputs(shape)
+    q, *rest = random_inputs(shape)
     rows = kernel.forward_tile_rows(default_block_sizes(shape.head_dim), shape.head_dim,
                                     shape.value_dim, q.dtype)
     scale = (_tile_scale(q.shape[1], rows) if q_scale == "tiles"
@@ -330,7 +316,7 @@ def variants(iters: int) -> list[dict]:
 
 def profile_attention(shape_name: str, with_tokamax: bool) -> dict:
   """Device time per op of PoPE forward+backward: our kernel and the expansion baselines."""
-  args = _inputs(SHAPES[shape_name])
+  args = random_inputs(SHAPES[shape_name])
   bounded = dataclasses.replace(default_block_sizes(SHAPES[shape_name].head_dim),
                                 bounded_softmax=True)
   paths = {"fused PoPE (ours)": _pope_pallas,
@@ -342,8 +328,8 @@ def profile_attention(shape_name: str, with_tokamax: bool) -> dict:
     for mode, jitted in (("fwd", jax.jit(fn)), ("fwd+bwd", _fwd_bwd(fn))):
       title = f"{shape_name} {name} {mode}"
       try:
-        rows = profile_ops.op_times(jitted, *args)
-        out[title] = {"summary": profile_ops.summarize(rows, title), "ops": rows[:40]}
+        rows = _profiling.op_times(jitted, *args)
+        out[title] = {"summary": _profiling.summarize(rows, title), "ops": rows[:40]}
       except Exception as e:  # Reported, never hidden.
         out[title] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         traceback.print_exc()
@@ -410,9 +396,9 @@ def train_step_ratio(iters: int, batch: int, *, preset: str = "gpt2_124m", seq_l
             f"{result[enc]['grad_ms']:.2f} ms, optimizer {ms - result[enc]['grad_ms']:.2f} ms",
             flush=True)
     if profile:
-      rows = profile_ops.op_times(step, params, opt_state, tokens, iters=3)
+      rows = _profiling.op_times(step, params, opt_state, tokens, iters=3)
       result[enc]["profile"] = {
-          "summary": profile_ops.summarize(rows, f"{preset} {enc} train step, batch {batch}",
+          "summary": _profiling.summarize(rows, f"{preset} {enc} train step, batch {batch}",
                                            top=25),
           "ops": rows[:60]}
   result["pope_over_rope"] = result["pope"]["ms"] / result["rope"]["ms"]

@@ -141,14 +141,16 @@ def main():
 
   os.environ[_streaming.PROFILE_DIR_ENV] = str(raw.resolve())  # read when the kernel compiles
   import jax
-  from experiments import bench_attention
   from pallas_kernels.pope_attention import forward_tile_rows
   from pallas_kernels.pope_attention_config import default_block_sizes
-  from pallas_kernels.shapes import SHAPES
+  from pallas_kernels.shapes import SHAPES, random_inputs
+  from pope_jax import attention
 
   shape = dataclasses.replace(SHAPES[f"bench_h{args.head_dim}"], batch=args.batch)
   before = set(glob.glob(str(raw / "*-trace.json")))
-  jax.block_until_ready(jax.jit(bench_attention._pope_pallas)(*bench_attention._inputs(shape)))
+  pope_pallas = lambda q, k, v, delta: attention.pope_attention(
+      q, k, v, delta, is_causal=True, implementation="pallas")
+  jax.block_until_ready(jax.jit(pope_pallas)(*random_inputs(shape)))
   new = sorted(set(glob.glob(str(raw / "*-trace.json"))) - before)
   if not new:
     raise RuntimeError(f"the kernel wrote no trace into {raw} (is this a GPU?)")

@@ -27,13 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import state
 from jax._src.pallas.mosaic_gpu import core as pallas_mgpu_core
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, nvvm, vector
+
+# --- Trace time (XLA, numpy): the steps each resident tile visits; which CTA runs which items.
 
 COMPUTE_WGS = 2
 # Positions travel as float32 (exact below 2**24); padding rows get these sentinels.
@@ -95,6 +93,110 @@ def visit_table(row_pos: jax.Array, col_pos: jax.Array, row_block: int, col_bloc
   return jnp.concatenate([u_lo[..., None], u_hi[..., None], per_wg], axis=-1).astype(jnp.int32)
 
 
+def causal_steps(n_tiles: int, tile_rows: int, n_cols: int, step_cols: int, offset: int, *,
+                 causal: bool, rows_are_queries: bool) -> np.ndarray:
+  """Estimated streamed steps of each resident tile (by tile index), for `item_schedule`.
+
+  Assumes the default positions: query t at offset + t, key s at s. Without `causal`, every
+  tile visits all n_cols / step_cols steps.
+  """
+  tiles = np.arange(n_tiles)
+  if not causal:
+    return np.full(n_tiles, -(-n_cols // step_cols))
+  if rows_are_queries:  # keys up to the tile's last query
+    visible = np.clip(offset + (tiles + 1) * tile_rows, 0, n_cols)
+  else:  # queries from the tile's first key on
+    visible = n_cols - np.clip(tiles * tile_rows - offset, 0, n_cols)
+  return -(-visible // step_cols)
+
+
+def num_sms() -> int:
+  """Streaming multiprocessors of the first device (132 on the H200). In the CPU interpreter
+  there is no limit, so a persistent launch runs one tile per CTA: interpreted runs with several
+  tiles per CTA can hang on a machine with few cores."""
+  if interpreted():
+    return 2 ** 31 - 1
+  return getattr(jax.local_devices()[0], "core_count", 132)
+
+
+def item_schedule(lengths: np.ndarray, persistent: bool) -> np.ndarray:
+  """Which CTA runs which items (resident tiles), a static table built at trace time.
+
+  One CTA per item without `persistent` (the hardware's block scheduler then starts each item,
+  in launch order, on the first free SM). With it, at most one CTA per SM (`num_sms`), and each
+  item in launch order goes to the CTA with the least work so far, by `lengths`: what the block
+  scheduler does dynamically with one CTA per item if the lengths hold, made ahead (greedy;
+  `item_coords` numbers items longest first within each batch). Items of one batch thus still
+  run at about the same time, and its keys stay in L2.
+
+  Args:
+    lengths: [n_items] estimated steps per item (`causal_steps`; only the balance depends on
+      them, not the result).
+    persistent: see above.
+
+  Returns:
+    [grid, 1 + max items per CTA] int32: per CTA its item count, then its items in order
+    (-1 padding).
+  """
+  n_items = len(lengths)
+  grid = min(n_items, num_sms()) if persistent else n_items
+  if grid == n_items:  # one item per CTA, in launch order
+    return np.stack([np.ones(n_items, np.int32), np.arange(n_items, dtype=np.int32)], axis=1)
+  loads = [(0.0, c) for c in range(grid)]
+  items = [[] for _ in range(grid)]
+  for item, length in enumerate(lengths):
+    load, c = heapq.heappop(loads)
+    items[c].append(item)
+    heapq.heappush(loads, (load + float(length) + 1.0, c))  # + a tile's prologue and epilogue
+  table = np.full((grid, 1 + max(len(x) for x in items)), -1, np.int32)
+  for c, x in enumerate(items):
+    table[c, 0], table[c, 1:1 + len(x)] = len(x), x
+  return table
+
+
+def launch_schedule(bsz: int, n_heads: int, n_tiles: int, steps: np.ndarray,
+                    persistent: bool, longest_last_tile: bool) -> np.ndarray:
+  """`item_schedule` of a kernel's items, numbered by `item_coords` (within a batch, rank 0
+  first; rank 0 is the last tile when `longest_last_tile`, queries resident, else tile 0).
+
+  Args:
+    steps: [n_tiles] estimated steps per tile index (`causal_steps`).
+  """
+  ranks = np.arange(n_tiles)
+  per_rank = steps[n_tiles - 1 - ranks] if longest_last_tile else steps[ranks]
+  lengths = np.tile(np.repeat(per_rank, n_heads), bsz)
+  return item_schedule(lengths, persistent)
+
+
+# --- In the kernel: a CTA's items, and a compute warpgroup's loops over its visit ranges.
+
+def cta_items(schedule_ref):
+  """This CTA's items from its row of the `item_schedule` table (in GMEM): (item_of, count),
+  item_of(j) its j-th item for j < count."""
+  c = lax.axis_index("cta")
+  return (lambda j: schedule_ref[c, 1 + j]), schedule_ref[c, 0]
+
+
+def for_each_item(schedule_ref):
+  """for_items(body, carry): carry = body(item, carry) over this CTA's items (`cta_items`)."""
+  item_of, count = cta_items(schedule_ref)
+  return lambda body, carry: lax.fori_loop(0, count, lambda j, c: body(item_of(j), c), carry)
+
+
+def item_coords(item, n_heads: int, n_tiles: int):
+  """(batch, head, rank) of a flat item index: heads vary fastest, then the rank (0 = the
+  longest resident tile under a causal mask; the caller maps ranks to tiles), then the batch."""
+  return lax.div(item, n_heads * n_tiles), lax.rem(item, n_heads), lax.rem(
+      lax.div(item, n_heads), n_tiles)
+
+
+def last_tile_first(item, n_heads: int, n_tiles: int):
+  """(batch, head, resident query tile) of an item (`item_coords`): under a causal mask the last
+  query tile sees the most keys, so rank 0 is the last tile."""
+  batch, head, rank = item_coords(item, n_heads, n_tiles)
+  return batch, head, n_tiles - 1 - rank
+
+
 def read_ranges(tab_ref, batch, tile, wg):
   """(u_lo, u_hi, lo, flo, fhi, hi) scalars of a resident tile group (an item) and warpgroup
   from the visit table."""
@@ -104,6 +206,12 @@ def read_ranges(tab_ref, batch, tile, wg):
   return u_lo, u_hi, lo, flo, fhi, hi
 
 
+def slot_of(s, origin, stages: int):
+  """The ring slot of step s of a resident tile whose first step u_lo is the ring's step
+  `base` (`stream`): origin = u_lo - base."""
+  return lax.rem(s - origin, stages)
+
+
 def compute_loops(ranges, carry, step):
   """Runs step(s, carry, mode) over the five ranges; mode is "skip", "masked" or "full"."""
   u_lo, u_hi, lo, flo, fhi, hi = ranges
@@ -111,6 +219,32 @@ def compute_loops(ranges, carry, step):
                             (fhi, hi, "masked"), (hi, u_hi, "skip")):
     carry = lax.fori_loop(start, stop, lambda s, c, mode=mode: step(s, c, mode), carry)
   return carry
+
+
+def compute_loops_overlapped(ranges, carry, skip, first, step, last):
+  """`compute_loops` for a software-pipelined step whose matmul p @ v lags one step behind.
+
+  Runs skip(s, carry) over the skipped ranges, first(s, carry) at the first visible step lo,
+  step(s, carry, mode) over (lo, hi) (mode "masked" or "full"; it finishes step s - 1) and
+  last(s, carry) at s = hi - 1 (finishing it); nothing but the skips when lo == hi. The single
+  steps run as loops of zero or one trip, so the carry needs no conditional.
+  """
+  u_lo, u_hi, lo, flo, fhi, hi = ranges
+  carry = lax.fori_loop(u_lo, lo, skip, carry)
+  nxt = jnp.minimum(lo + 1, hi)
+  carry = lax.fori_loop(lo, nxt, first, carry)
+  flo, fhi = jnp.maximum(flo, nxt), jnp.maximum(fhi, nxt)
+  for start, stop, mode in ((nxt, flo, "masked"), (flo, fhi, "full"), (fhi, hi, "masked")):
+    carry = lax.fori_loop(start, stop, lambda s, c, mode=mode: step(s, c, mode), carry)
+  carry = lax.fori_loop(jnp.maximum(hi - 1, lo), hi, last, carry)
+  return lax.fori_loop(hi, u_hi, skip, carry)
+
+
+# --- The memory warpgroup: one ring of SMEM slots over all of a CTA's items.
+
+def ready_barrier(stages: int, copies_per_step: int):
+  """Per slot, the barrier that the step's `copies_per_step` TMA copies complete together."""
+  return plgpu.Barrier(num_arrivals=copies_per_step, num_barriers=stages)
 
 
 def stream(u_lo, u_hi, base, stages: int, consumed, issue):
@@ -173,13 +307,6 @@ def memory_warpgroup(for_items, stages: int, consumed, ready, visit, copies,
   drain(for_items(item_body, jnp.int32(0)), stages, consumed)
 
 
-def last_tile_first(item, n_heads: int, n_tiles: int):
-  """(batch, head, resident query tile) of an item (`item_coords`): under a causal mask the last
-  query tile sees the most keys, so rank 0 is the last tile."""
-  batch, head, rank = item_coords(item, n_heads, n_tiles)
-  return batch, head, n_tiles - 1 - rank
-
-
 def stream_keys(for_items, tile_of, tab_ref, gmem, smem, group: int, block_kv: int,
                 stages: int, consumed, ready, registers: int = 40):
   """`memory_warpgroup` of the kernels with resident queries (forward, dq): for each item
@@ -205,42 +332,13 @@ def stream_keys(for_items, tile_of, tab_ref, gmem, smem, group: int, block_kv: i
   memory_warpgroup(for_items, stages, consumed, ready, visit, copies, registers)
 
 
+# --- The compute warpgroups: registers and the ping-pong schedule.
+
 def warpgroup_registers(wgs: int) -> tuple[int, int]:
   """32-bit registers per thread (compute warpgroups, memory warpgroup) of a kernel with `wgs`
   compute warpgroups, set at their start (`plgpu.set_max_registers`): with 2, 232 and 40; with
   3, 160 and 32 (FlashAttention-3's split), the 64 K registers of an SM."""
   return (232, 40) if wgs == 2 else (160, 32)
-
-
-def smem_bytes(scratch) -> int:
-  """SMEM bytes of a kernel's scratch (a pytree of SMEM buffers and barriers), each buffer and
-  barrier array rounded up to Pallas' 1024-byte alignment: an upper bound, about 3 KiB above
-  what Mosaic GPU reports for the forward (docs/results, run 13), as Pallas packs the barriers
-  more tightly."""
-  sizes = [math.prod(buf.shape) * jnp.dtype(buf.dtype).itemsize if isinstance(
-      buf, pallas_mgpu_core.GPUMemoryRef) else 8 * math.prod(buf.num_barriers)
-           for buf in jax.tree.leaves(scratch)]
-  return sum(pallas_mgpu_core.align_to(n, pallas_mgpu_core.SMEM_ALIGNMENT) for n in sizes)
-
-
-def smem_limit() -> int:
-  """SMEM per CTA of the first device: 227 KiB on Hopper, also where none can be queried (the
-  interpreter), as in Mosaic GPU."""
-  return getattr(jax.local_devices()[0], "shared_memory_per_block_optin", 227 * 1024)
-
-
-def check_smem(scratch, kernel: str, hint: str) -> None:
-  """Raises ValueError, naming the kernel and what to lower (`hint`), when its scratch does
-  not fit in SMEM (`smem_bytes` against `smem_limit`)."""
-  need, limit = smem_bytes(scratch), smem_limit()
-  if need > limit:
-    raise ValueError(f"The PoPE {kernel} kernel's SMEM buffers need about {need} bytes, more "
-                     f"than the {limit} available: {hint}")
-
-
-def ready_barrier(stages: int, copies_per_step: int):
-  """Per slot, the barrier that the step's `copies_per_step` TMA copies complete together."""
-  return plgpu.Barrier(num_arrivals=copies_per_step, num_barriers=stages)
 
 
 def schedule_barrier(barrier) -> None:
@@ -283,107 +381,35 @@ class RingSchedule:
     pl.when(self.wg == 0)(self.wait)
 
 
-def num_sms() -> int:
-  """Streaming multiprocessors of the first device (132 on the H200). In the CPU interpreter
-  there is no limit: a persistent launch then runs one tile per CTA. (Interpreted runs with
-  several tiles per CTA sometimes never finished on a 2-core machine, the same inputs hanging
-  in some runs and not in others; the cause was not found. On the GPU every check and
-  benchmark ran several tiles per CTA to the end: docs/results, run 15.)"""
-  if interpreted():
-    return 2 ** 31 - 1
-  return getattr(jax.local_devices()[0], "core_count", 132)
+# --- SMEM budget, platform and compiler settings.
+
+def smem_bytes(scratch) -> int:
+  """SMEM bytes of a kernel's scratch (a pytree of SMEM buffers and barriers), each buffer and
+  barrier array rounded up to Pallas' 1024-byte alignment: an upper bound (Pallas packs the
+  barriers more tightly)."""
+  sizes = [math.prod(buf.shape) * jnp.dtype(buf.dtype).itemsize if isinstance(
+      buf, pallas_mgpu_core.GPUMemoryRef) else 8 * math.prod(buf.num_barriers)
+           for buf in jax.tree.leaves(scratch)]
+  return sum(pallas_mgpu_core.align_to(n, pallas_mgpu_core.SMEM_ALIGNMENT) for n in sizes)
 
 
-def item_schedule(lengths: np.ndarray, persistent: bool) -> np.ndarray:
-  """Which CTA runs which items (resident tiles), a static table built at trace time.
-
-  One CTA per item without `persistent` (the hardware's block scheduler then starts each item,
-  in launch order, on the first free SM). With it, at most one CTA per SM (`num_sms`), and each
-  item in launch order goes to the CTA with the least work so far, by `lengths`: what the block
-  scheduler does dynamically with one CTA per item if the lengths hold, made ahead (greedy;
-  `item_coords` numbers items longest first within each batch). Items of one batch thus still
-  run at about the same time, and its keys stay in L2.
-
-  Args:
-    lengths: [n_items] estimated steps per item (`causal_steps`; only the balance depends on
-      them, not the result).
-    persistent: see above.
-
-  Returns:
-    [grid, 1 + max items per CTA] int32: per CTA its item count, then its items in order
-    (-1 padding).
-  """
-  n_items = len(lengths)
-  grid = min(n_items, num_sms()) if persistent else n_items
-  if grid == n_items:  # one item per CTA, in launch order
-    return np.stack([np.ones(n_items, np.int32), np.arange(n_items, dtype=np.int32)], axis=1)
-  loads = [(0.0, c) for c in range(grid)]
-  items = [[] for _ in range(grid)]
-  for item, length in enumerate(lengths):
-    load, c = heapq.heappop(loads)
-    items[c].append(item)
-    heapq.heappush(loads, (load + float(length) + 1.0, c))  # + a tile's prologue and epilogue
-  table = np.full((grid, 1 + max(len(x) for x in items)), -1, np.int32)
-  for c, x in enumerate(items):
-    table[c, 0], table[c, 1:1 + len(x)] = len(x), x
-  return table
+def smem_limit() -> int:
+  """SMEM per CTA of the first device: 227 KiB on Hopper, also where none can be queried (the
+  interpreter), as in Mosaic GPU."""
+  return getattr(jax.local_devices()[0], "shared_memory_per_block_optin", 227 * 1024)
 
 
-def causal_steps(n_tiles: int, tile_rows: int, n_cols: int, step_cols: int, offset: int, *,
-                 causal: bool, rows_are_queries: bool) -> np.ndarray:
-  """Estimated streamed steps of each resident tile (by tile index), for `item_schedule`.
-
-  Assumes the default positions: query t at offset + t, key s at s. Without `causal`, every
-  tile visits all n_cols / step_cols steps.
-  """
-  tiles = np.arange(n_tiles)
-  if not causal:
-    return np.full(n_tiles, -(-n_cols // step_cols))
-  if rows_are_queries:  # keys up to the tile's last query
-    visible = np.clip(offset + (tiles + 1) * tile_rows, 0, n_cols)
-  else:  # queries from the tile's first key on
-    visible = n_cols - np.clip(tiles * tile_rows - offset, 0, n_cols)
-  return -(-visible // step_cols)
+def check_smem(scratch, kernel: str, hint: str) -> None:
+  """Raises ValueError, naming the kernel and what to lower (`hint`), when its scratch does
+  not fit in SMEM (`smem_bytes` against `smem_limit`)."""
+  need, limit = smem_bytes(scratch), smem_limit()
+  if need > limit:
+    raise ValueError(f"The PoPE {kernel} kernel's SMEM buffers need about {need} bytes, more "
+                     f"than the {limit} available: {hint}")
 
 
-def launch_schedule(bsz: int, n_heads: int, n_tiles: int, steps: np.ndarray,
-                    persistent: bool, longest_last_tile: bool) -> np.ndarray:
-  """`item_schedule` of a kernel's items, numbered by `item_coords` (within a batch, rank 0
-  first; rank 0 is the last tile when `longest_last_tile`, queries resident, else tile 0).
-
-  Args:
-    steps: [n_tiles] estimated steps per tile index (`causal_steps`).
-  """
-  ranks = np.arange(n_tiles)
-  per_rank = steps[n_tiles - 1 - ranks] if longest_last_tile else steps[ranks]
-  lengths = np.tile(np.repeat(per_rank, n_heads), bsz)
-  return item_schedule(lengths, persistent)
-
-
-def cta_items(schedule_ref):
-  """This CTA's items from its row of the `item_schedule` table (in GMEM): (item_of, count),
-  item_of(j) its j-th item for j < count."""
-  c = lax.axis_index("cta")
-  return (lambda j: schedule_ref[c, 1 + j]), schedule_ref[c, 0]
-
-
-def for_each_item(schedule_ref):
-  """for_items(body, carry): carry = body(item, carry) over this CTA's items (`cta_items`)."""
-  item_of, count = cta_items(schedule_ref)
-  return lambda body, carry: lax.fori_loop(0, count, lambda j, c: body(item_of(j), c), carry)
-
-
-def item_coords(item, n_heads: int, n_tiles: int):
-  """(batch, head, rank) of a flat item index: heads vary fastest, then the rank (0 = the
-  longest resident tile under a causal mask; the caller maps ranks to tiles), then the batch."""
-  return lax.div(item, n_heads * n_tiles), lax.rem(item, n_heads), lax.rem(
-      lax.div(item, n_heads), n_tiles)
-
-
-def slot_of(s, origin, stages: int):
-  """The ring slot of step s of a resident tile whose first step u_lo is the ring's step
-  `base` (`stream`): origin = u_lo - base."""
-  return lax.rem(s - origin, stages)
+def interpreted() -> bool:
+  return jax.default_backend() != "gpu"
 
 
 # Set, this environment variable turns on the Mosaic GPU profiler in every kernel compiled
@@ -403,189 +429,7 @@ def compiler_params() -> plgpu.CompilerParams:
                               profile_bounds_check=bool(profile_dir))
 
 
-def interpreted() -> bool:
-  return jax.default_backend() != "gpu"
-
-
-def matmul(a, b, shape, then=None) -> jax.Array:
-  """a @ b on the tensor cores (wgmma) into a fresh float32 accumulator of `shape`.
-
-  a is an SMEM ref or a register value, b an SMEM ref. `then()`, if given, runs after the
-  wgmma is issued and before its result is awaited (the ping-pong schedule barrier). The CPU
-  interpreter's wgmma takes only SMEM operands, so there a register lhs is multiplied with
-  jnp.dot (float32 accumulation).
-  """
-  if interpreted() and not isinstance(a, state.AbstractRef | state.TransformedRef):
-    out = jnp.dot(a, b[...], preferred_element_type=jnp.float32)
-    if then is not None:
-      then()
-    return out
-
-  def run(acc_ref):
-    plgpu.wgmma(acc_ref, a, b)
-    if then is not None:
-      then()
-    return acc_ref[...]
-  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
-
-
-def matmul_acc(acc: jax.Array, a, b) -> jax.Array:
-  """acc + a @ b (wgmma accumulating in registers; the interpreter adds a fresh product)."""
-  return matmul_accs((acc,), a, (b,))[0]
-
-
-def matmul_accs(accs, a, bs) -> tuple:
-  """acc + a @ b for each (acc, b) of zip(accs, bs): wgmmas of one lhs a (SMEM ref or register
-  value), all issued before any is awaited. The CPU interpreter computes them in turn."""
-  if interpreted():  # The interpreter does not implement run_state.
-    return tuple(acc + matmul(a, b, acc.shape) for acc, b in zip(accs, bs))
-
-  def run(acc_refs):
-    for acc_ref, b in zip(acc_refs, bs):
-      plgpu.wgmma(acc_ref, a, b)
-  return tuple(pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc in accs)))
-
-
-def matmul_overlapped(a, b, shape, acc: jax.Array, p, v, during, then=None):
-  """a @ b and acc + p @ v in flight together; `during(a @ b)` runs while p @ v is.
-
-  FlashAttention-3's intra-warpgroup overlap (Shah et al. 2024, §3.2, Alg. 2): both wgmmas are
-  issued, the first is awaited (in-order completion: at most one group left in flight), and
-  `during` works on its result in registers while the tensor cores finish the second.
-
-  Args:
-    a, b: operands of the first product (as in `matmul`); shape: its [M, N] shape.
-    acc: [M, V] float32 accumulator; p: register lhs, v: SMEM rhs of the second product.
-    during: function of the float32 [M, N] first product, run before the second is awaited.
-    then: if given, runs after both wgmmas are issued (the ping-pong schedule barrier).
-
-  Returns:
-    (during(a @ b), acc + p @ v). The CPU interpreter computes the two products in turn.
-  """
-  if interpreted():
-    res = during(matmul(a, b, shape, then=then))
-    return res, matmul_acc(acc, p, v)
-
-  def run(s_ref, o_ref):
-    o_ref[...] = acc
-    plgpu.wgmma(s_ref, a, b)
-    plgpu.wgmma(o_ref, p, v)
-    if then is not None:
-      then()
-    res = during(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
-    return res, o_ref[...]
-  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32), plgpu.ACC(acc.shape, jnp.float32))
-
-
-def gradient_step(scores, dscores, probs, ds_of, p_terms, ds_terms, dtype, *, overlap: bool):
-  """One streamed step of a flash-attention backward kernel (FlashAttention-2, Dao 2023, Alg. 2).
-
-  S = scores' lhs @ rhs, P = probs(S), dP = dscores' lhs @ rhs and dS = ds_of(P, dP) (float32
-  tiles); each (acc, rhs) of `p_terms` becomes acc + P @ rhs and each of `ds_terms` acc + dS @
-  rhs, with P and dS cast to `dtype` (register operands). dP is computed only when `ds_terms`
-  is not empty.
-
-  In order (`overlap` False; also on the CPU interpreter) each wgmma is awaited before the
-  next. With `overlap`, the order of FlashAttention-3's backward (Shah et al. 2024; its Hopper
-  backward main loop, flash-attention `hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp`): S and dP
-  are issued together and P is computed while dP is on the tensor cores; P's updates are
-  issued before dP is awaited, so they run while dS is computed; S and dP are awaited as
-  needed (leaving the later wgmmas in flight), the updates once, at the end. Both score tiles
-  are live at once (register pressure: two [M, N] float32 tiles).
-
-  Args:
-    scores, dscores: (lhs, rhs, [M, N] shape) of S and dP; SMEM operands.
-    probs: float32 [M, N] S -> float32 P; ds_of: (P, dP) -> float32 dS.
-    p_terms, ds_terms: tuples of (float32 accumulator [M, W], SMEM rhs [N, W]).
-    dtype: dtype of the register operands P and dS.
-    overlap: the FlashAttention-3 order above.
-
-  Returns:
-    (the updated accumulators of p_terms, those of ds_terms), two tuples.
-  """
-  if not overlap or interpreted():
-    p = probs(matmul(*scores))
-    p_low = p.astype(dtype)
-    p_accs = tuple(matmul_acc(acc, p_low, rhs) for acc, rhs in p_terms)
-    if not ds_terms:
-      return p_accs, ()
-    ds = ds_of(p, matmul(*dscores)).astype(dtype)
-    return p_accs, tuple(matmul_acc(acc, ds, rhs) for acc, rhs in ds_terms)
-
-  terms = p_terms + ds_terms
-
-  def run(s_ref, *refs):
-    dp_ref, acc_refs = (refs[0], refs[1:]) if ds_terms else (None, refs)
-    for ref, (acc, _) in zip(acc_refs, terms):
-      ref[...] = acc
-    plgpu.wgmma(s_ref, *scores[:2])
-    if ds_terms:
-      plgpu.wgmma(dp_ref, *dscores[:2])
-    p = probs(plgpu.wgmma_accumulator_load(s_ref, wait_n=1 if ds_terms else 0))
-    p_low = p.astype(dtype)
-    for ref, (_, rhs) in zip(acc_refs, p_terms):
-      plgpu.wgmma(ref, p_low, rhs)
-    if ds_terms:  # dP was issued before P's updates: it completes first.
-      dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=len(p_terms))
-      ds = ds_of(p, dp).astype(dtype)
-      for ref, (_, rhs) in zip(acc_refs[len(p_terms):], ds_terms):
-        plgpu.wgmma(ref, ds, rhs)
-    return tuple(ref[...] for ref in acc_refs)
-
-  allocs = [plgpu.ACC(scores[2], jnp.float32)]
-  allocs += [plgpu.ACC(dscores[2], jnp.float32)] if ds_terms else []
-  allocs += [plgpu.ACC(acc.shape, jnp.float32) for acc, _ in terms]
-  accs = pl.run_scoped(run, *allocs)
-  return accs[:len(p_terms)], accs[len(p_terms):]
-
-
-def compute_loops_overlapped(ranges, carry, skip, first, step, last):
-  """`compute_loops` for a software-pipelined step whose matmul p @ v lags one step behind.
-
-  Runs skip(s, carry) over the skipped ranges, first(s, carry) at the first visible step lo,
-  step(s, carry, mode) over (lo, hi) (mode "masked" or "full"; it finishes step s - 1) and
-  last(s, carry) at s = hi - 1 (finishing it); nothing but the skips when lo == hi. The single
-  steps run as loops of zero or one trip, so the carry needs no conditional.
-  """
-  u_lo, u_hi, lo, flo, fhi, hi = ranges
-  carry = lax.fori_loop(u_lo, lo, skip, carry)
-  nxt = jnp.minimum(lo + 1, hi)
-  carry = lax.fori_loop(lo, nxt, first, carry)
-  flo, fhi = jnp.maximum(flo, nxt), jnp.maximum(fhi, nxt)
-  for start, stop, mode in ((nxt, flo, "masked"), (flo, fhi, "full"), (fhi, hi, "masked")):
-    carry = lax.fori_loop(start, stop, lambda s, c, mode=mode: step(s, c, mode), carry)
-  carry = lax.fori_loop(jnp.maximum(hi - 1, lo), hi, last, carry)
-  return lax.fori_loop(hi, u_hi, skip, carry)
-
-
-def warp_any(flags: jax.Array) -> jax.Array:
-  """Whether any row of `flags` ([rows] bool, WGMMA row layout) held by this thread's warp is
-  set: a scalar bool, uniform within each warp (the lanes' vote, `vote.sync.any`), that may
-  differ between the warps of a warpgroup, for a `lax.cond` whose branches hold no
-  warpgroup-wide operation (wgmma, barriers). The CPU interpreter runs a warpgroup as one
-  program and takes the OR over all rows, which callers must accept as well (a branch taken
-  where the warp's vote alone would have skipped it). The result is declared `WG_SPLAT` (one
-  value per warpgroup) but is only uniform per warp: nothing may rely on it agreeing across
-  the warpgroup's warps."""
-  if interpreted():
-    return jnp.any(flags)
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(1),),
-                     return_type=plgpu.ShapeDtypeStruct((), jnp.bool_, plgpu.Layout.WG_SPLAT))
-  def vote(_, flags):
-    i1 = ir.IntegerType.get_signless(1)
-    lane = None
-    for reg in flags.registers.flat:
-      for i in range(ir.VectorType(reg.type).shape[0]):
-        bit = vector.extract(reg, [], [i])
-        lane = bit if lane is None else arith.ori(lane, bit)
-    assert lane.type == i1, lane.type
-    full_mask = arith.constant(ir.IntegerType.get_signless(32), 0xFFFFFFFF)
-    return mgpu.FragmentedArray.splat(nvvm.vote_sync(full_mask, lane, "any"), (),
-                                      is_signed=False)
-
-  return vote(flags)
-
+# --- Register layouts.
 
 def row_vector(smem_ref, rows_axis: int):
   """Loads a [n] float32 SMEM vector laid out along `rows_axis` of a WGMMA tile."""
@@ -603,6 +447,8 @@ def tile_transforms(width: int = 64):
   return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
 
+# --- The magnitude map (PoPE Eq. 3).
+
 # log1p(e) = e·P(e) on e in [0, 1], P of degree 6 with P(0) = 1 (`softplus`): fitted to the
 # relative error; evaluated in float32 by Horner's rule, within 1.6e-6 of log1p relatively
 # (1.1e-6 absolutely) over the whole interval.
@@ -617,12 +463,10 @@ def softplus(x):
   e (`_LOG1P_COEFFS`): the fused kernels' magnitude map (PoPE Eq. 3), in the forward kernel's
   query map and in the key map's XLA pass.
 
-  Cheaper than XLA's log: six FMAs where the log runs a longer libdevice sequence. The key
-  map's pass at [4, 4096, 16, H] bf16 on the H200 took 0.0279 ms of device time at H = 64
-  (0.0566 at H = 128) against 0.0327 (0.0641) with log(1 + e), and 0.0261 (0.0554) without any
-  softplus: its memory floor (docs/results run 25 A). Within 1.6e-6 of softplus relatively for
-  every x (`SOFTPLUS_RTOL`; P(0) = 1, so tiny μ keep their relative precision, which log(1 + e)
-  loses below x of about -17), far below bf16/fp16 rounding.
+  Six FMAs where XLA's log runs a longer libdevice sequence, so the key map's XLA pass runs
+  near its memory floor. Within 1.6e-6 of softplus relatively for every x (`SOFTPLUS_RTOL`;
+  P(0) = 1, so tiny μ keep their relative precision, which log(1 + e) loses below x of about
+  -17), far below bf16/fp16 rounding.
   """
   x = x.astype(jnp.float32)
   e = jnp.exp(-jnp.abs(x))

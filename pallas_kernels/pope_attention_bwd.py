@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _streaming as st
+from pallas_kernels import _warpgroup_ops as ops
 from pallas_kernels.pope_attention_config import BlockSizes
 
 _LN2 = math.log(2.0)
@@ -71,8 +72,8 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
   With `magnitude_scale`, the epilogue maps da through the query map's VJP (`cartesian_vjp`,
   from the resident tile a), so no XLA pass reads da and recomputes the map. Without, it
   returns da: the caller maps it (for fp16, whose range cannot hold dφ ∝ da·a per element
-  where the raw queries are below about -6: the phase gradient, its sum, lost up to 13 % there
-  on CPU, docs/results run 14).
+  where the raw queries are below about -6, so the phase gradient, its sum, would lose
+  precision).
 
   Args:
     a: [B, T, N, D] Cartesian queries a = s·softplus(q)·[cos φ, sin φ] (the forward's);
@@ -98,8 +99,8 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
   grid = schedule.shape[0]
 
   def pope_dq_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
-                     tab_ref, sched_ref, dq_ref, a_smem, do_smem, lse_smem, delta_smem, qpos_smem, b_smem,
-                     v_smem, kpos_smem, res_bar, ready, consumed):
+                     tab_ref, sched_ref, dq_ref, a_smem, do_smem, lse_smem, delta_smem,
+                     qpos_smem, b_smem, v_smem, kpos_smem, res_bar, ready, consumed):
     wg = lax.axis_index("wg")
     for_items = st.for_each_item(sched_ref)
 
@@ -140,7 +141,7 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
               s_blk = jnp.where(visible, s_blk, st.NEG_INF)
             return jnp.exp2(s_blk - st.broadcast(lse, (bq, bk), 0))
 
-          _, (dq_acc,) = st.gradient_step(
+          _, (dq_acc,) = ops.gradient_step(
               (a_smem.at[wg], b_smem.at[slot].transpose((1, 0)), (bq, bk)),
               (do_smem.at[wg], v_smem.at[slot].transpose((1, 0)), (bq, bk)),
               probs, lambda p, dp: p * (dp - st.broadcast(dlt, (bq, bk), 0)),
@@ -211,8 +212,7 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
   `outputs` picks which of the two one launch computes: both share P, but at D = 256 (H = 128)
   their float32 accumulators (db 128 + dv 64 registers per thread) and the P, dP tiles exceed a
   warpgroup's registers and spill, so `BlockSizes.split_dkv` computes them in two launches (dv's
-  repeats the a bᵀ matmul and the pass over a, dO, lse; still faster at H = 128, see
-  docs/results/attention_kernel.md, run 9).
+  repeats the a bᵀ matmul and the pass over a, dO, lse; still faster at H = 128: no spills).
 
   Args:
     as in `pope_attention_dq` (without magnitude_scale: b = softplus(k)·[cos sθ, sin sθ] has
@@ -245,35 +245,7 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outp
   wgs = st.COMPUTE_WGS
   n_tiles = s_len // (wgs * bk)
   grid = schedule.shape[0]
-  # Operands loaded per compute warpgroup (resident) and per stage (streamed); dv alone needs
-  # neither v nor Δ (v's SMEM tile is still allocated: it stages dv for the store).
-  resident = ("b", "kpos") + (("v",) if want_dk else ())
-  streamed = ("a", "do", "lse", "qpos") + (("delta",) if want_dk else ())
-  tf = st.tile_transforms()
-  str_types = {"a": plgpu.SMEM((stages, bq, d), dtype, transforms=tf),
-               "do": plgpu.SMEM((stages, bq, vd), dtype, transforms=tf),
-               "lse": plgpu.SMEM((stages, bq), jnp.float32),
-               "delta": plgpu.SMEM((stages, bq), jnp.float32),
-               "qpos": plgpu.SMEM((stages, bq), jnp.float32)}
-
-  def scratch_types(dk_in_v: bool):
-    res_types = {"b": plgpu.SMEM((wgs, bk, d), dtype, transforms=tf),
-                 "v": plgpu.SMEM((wgs, bk, vd), dtype, transforms=tf),
-                 "kpos": plgpu.SMEM((wgs, bk), jnp.float32)}
-    if want_dk and not dk_in_v:
-      res_types["dk"] = plgpu.SMEM((wgs, bk, h), dtype, transforms=st.tile_transforms(h))
-    return (res_types, {n: str_types[n] for n in streamed},
-            plgpu.Barrier(num_barriers=len(resident) * wgs),
-            st.ready_barrier(stages, len(streamed)),
-            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages))
-
-  # dk (H wide) is staged for its store in v's resident tile (free after the loop) when V = H
-  # and the launch computes no dv or dk's own tile does not fit in SMEM (then dv's store waits
-  # until dk's has read the tile); else in its own tile. So with V != H the own tile must fit,
-  # which lowers the largest block sizes that do (e.g. H = 128, V = 64: 2 stages, not 3).
-  dk_in_v = want_dk and vd == h and (
-      not want_dv or st.smem_bytes(scratch_types(False)) > st.smem_limit())
-  scratch = scratch_types(dk_in_v)
+  resident, streamed, scratch, dk_in_v = _dkv_scratch(a, v, blocks, outputs)
 
   def pope_dkv_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
                       tab_ref, sched_ref, out_refs, smem, str_smem, res_bar, ready, consumed):
@@ -328,7 +300,7 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outp
 
           p_terms = ((accs["dv"], do_smem.at[slot]),) if want_dv else ()
           ds_terms = ((accs["dk"], a_smem.at[slot]),) if want_dk else ()
-          p_accs, ds_accs = st.gradient_step(
+          p_accs, ds_accs = ops.gradient_step(
               (b_smem.at[wg], a_smem.at[slot].transpose((1, 0)), (bk, bq)),
               (smem["v"].at[wg], do_smem.at[slot].transpose((1, 0)), (bk, bq)),
               probs, ds_of, p_terms, ds_terms, dtype, overlap=blocks.overlap_bwd)
@@ -340,17 +312,7 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outp
         accs = tuple(plgpu.layout_cast(jnp.zeros((bk, widths[o]), jnp.float32),
                                        plgpu.Layout.WGMMA) for o in outputs)
         accs = dict(zip(outputs, st.compute_loops(ranges, accs, step)))
-        # v's resident tile is free now: it stages dv (and dk, see dk_in_v) for the TMA stores.
-        if want_dk:  # db through the key map's VJP (s = 1): the raw keys' gradient.
-          accs["dk"], _ = cartesian_vjp(plgpu.load(b_smem.at[wg], layout=plgpu.Layout.WGMMA),
-                                        accs["dk"] * _LN2, 1.0)
-        stage = {"dk": smem["v"] if dk_in_v else smem.get("dk"), "dv": smem["v"]}
-        for i, o in enumerate(outputs):
-          if i and dk_in_v:  # The previous output's store must have read the shared tile.
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          stage[o].at[wg][...] = accs[o].astype(dtype)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(stage[o].at[wg], out_refs[o].at[batch, cols, head])
+        _store_dkv(accs, smem, wg, out_refs, (batch, cols, head), outputs, dk_in_v, dtype)
         return base + ranges[1] - ranges[0]
 
       for_items(item_body, jnp.int32(0))
@@ -386,3 +348,66 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outp
       compiler_params=st.compiler_params(),
   )(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
   return tuple(out[o] for o in outputs)
+
+
+def _dkv_scratch(a, v, blocks: BlockSizes, outputs: tuple[str, ...]):
+  """SMEM plan of the dk/dv kernel: (resident names, streamed names, scratch, dk_in_v).
+
+  Operands are loaded per compute warpgroup (resident) and per stage (streamed); dv alone needs
+  neither v nor Δ (v's SMEM tile is still allocated: it stages dv for the store). dk (H wide)
+  is staged for its store in v's resident tile (free after the loop) when V = H and the launch
+  computes no dv or dk's own tile does not fit in SMEM (then dv's store waits until dk's has
+  read the tile); else in its own tile. So with V != H the own tile must fit, which lowers the
+  largest block sizes that do (e.g. H = 128, V = 64: 2 stages, not 3).
+  """
+  want_dk, want_dv = "dk" in outputs, "dv" in outputs
+  d, vd, dtype = a.shape[-1], v.shape[-1], a.dtype
+  h = d // 2
+  bk, bq, stages = blocks.block_kv_dkv, blocks.block_q_dkv, blocks.stages
+  wgs = st.COMPUTE_WGS
+  resident = ("b", "kpos") + (("v",) if want_dk else ())
+  streamed = ("a", "do", "lse", "qpos") + (("delta",) if want_dk else ())
+  tf = st.tile_transforms()
+  str_types = {"a": plgpu.SMEM((stages, bq, d), dtype, transforms=tf),
+               "do": plgpu.SMEM((stages, bq, vd), dtype, transforms=tf),
+               "lse": plgpu.SMEM((stages, bq), jnp.float32),
+               "delta": plgpu.SMEM((stages, bq), jnp.float32),
+               "qpos": plgpu.SMEM((stages, bq), jnp.float32)}
+
+  def scratch_types(dk_in_v: bool):
+    res_types = {"b": plgpu.SMEM((wgs, bk, d), dtype, transforms=tf),
+                 "v": plgpu.SMEM((wgs, bk, vd), dtype, transforms=tf),
+                 "kpos": plgpu.SMEM((wgs, bk), jnp.float32)}
+    if want_dk and not dk_in_v:
+      res_types["dk"] = plgpu.SMEM((wgs, bk, h), dtype, transforms=st.tile_transforms(h))
+    return (res_types, {n: str_types[n] for n in streamed},
+            plgpu.Barrier(num_barriers=len(resident) * wgs),
+            st.ready_barrier(stages, len(streamed)),
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages))
+
+  dk_in_v = want_dk and vd == h and (
+      not want_dv or st.smem_bytes(scratch_types(False)) > st.smem_limit())
+  scratch = scratch_types(dk_in_v)
+  return resident, streamed, scratch, dk_in_v
+
+
+def _store_dkv(accs, smem, wg, out_refs, dst, outputs, dk_in_v: bool, dtype):
+  """Epilogue of one resident key tile: dk = the key map's VJP (s = 1) of db, then each output
+  staged in SMEM and stored by TMA to `out_refs[o].at[dst]`. v's resident tile is free now: it
+  stages dv (and dk, see `_dkv_scratch`).
+
+  Args:
+    accs: {output: float32 [bk, width] accumulator} (dk's holds db, D wide).
+    smem: the kernel's resident SMEM tiles by name; wg: the compute warpgroup index.
+    out_refs: the kernel's outputs by name; dst: (batch, key rows, head) of the tile.
+  """
+  if "dk" in outputs:  # db through the key map's VJP (s = 1): the raw keys' gradient.
+    accs["dk"], _ = cartesian_vjp(plgpu.load(smem["b"].at[wg], layout=plgpu.Layout.WGMMA),
+                                  accs["dk"] * _LN2, 1.0)
+  stage = {"dk": smem["v"] if dk_in_v else smem.get("dk"), "dv": smem["v"]}
+  for i, o in enumerate(outputs):
+    if i and dk_in_v:  # The previous output's store must have read the shared tile.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    stage[o].at[wg][...] = accs[o].astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(stage[o].at[wg], out_refs[o].at[dst])

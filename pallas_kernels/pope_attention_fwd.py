@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -24,81 +25,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _streaming as st
+from pallas_kernels._forward_steps import ROW_SUM_COLS, ItemSteps
+from pallas_kernels._query_map import (TABLE_DTYPE, cartesian_halves,  # noqa: F401
+                                       cartesian_halves_from_tables)
 from pallas_kernels.pope_attention_config import BlockSizes
 
 
-# 2π in two parts for the range reduction of pos·θ: the first has 8 significant bits, so
-# turns · _TWO_PI_HI is exact for |turns| < 2**16 (pos·θ below ~4e5 rad); above, its rounding
-# adds at most half an ulp of the float32 pos·θ.
-_TWO_PI_HI = 6.28125
-_TWO_PI_LO = 2 * math.pi - _TWO_PI_HI
-# Query tiles whose scores (log2 units) are all bounded by this in magnitude (`bounded_softmax`;
-# the kernel's scores, from bf16-rounded a and b, may exceed the bound by about 0.4 %) take exp2
-# of the scores themselves: P stays within about 2**±64, its row sums below S·2**65 and P V
-# below S·2**65·max|v|, inside float32's and bfloat16's range (normal from 2**-126 to 2**128)
-# for S < 2**24 positions and |v| < 2**38.
+# Query tiles whose scores (log2 units) are all within ± this (`bounded_softmax`) take exp2 of
+# the scores: P, its row sums and P V then stay inside float32's and bfloat16's range for
+# S < 2**24 positions and |v| < 2**38 (the bf16 scores may exceed the bound by about 0.4 %).
 BOUNDED_SCORE_LIMIT = 64.0
-# Width of the ones tile and of the row-sum accumulator of `BlockSizes.row_sum_mma`: the
-# narrowest wgmma B operand (a 32-byte swizzle of 16-bit elements).
-ROW_SUM_COLS = 16
-# The query angles' cos and sin tables of `BlockSizes.query_tables`: float16 holds [-1, 1] to
-# 2**-12 (bfloat16 only to 2**-9, the precision of the kernel's bf16 Cartesian queries).
-TABLE_DTYPE = jnp.float16
-
-
-def cartesian_halves(x, pos, freq, phase, magnitude_scale: float, dtype):
-  """In-kernel PoPE Cartesian map of one tile (PoPE Eq. 7-10; `encodings.polar_to_cartesian`).
-
-  Args:
-    x: [R, H] raw projections (any float dtype, WGMMA layout).
-    pos: [R] float32 positions; freq, phase: [H] float32 θ_c and the phase added to pos·θ_c.
-    magnitude_scale: factor applied to softplus(x).
-    dtype: result dtype.
-
-  Returns:
-    (μ cos φ, μ sin φ)·magnitude_scale, each [R, H] in `dtype`, φ = pos·θ + phase, μ =
-    softplus(x) (`_streaming.softplus`). As in the reference map, pos·θ is one
-    float32 product and the phase is added without rounding it again: pos·θ is reduced to
-    about [-π, π] first (Cody-Waite, 2π in two parts; the subtraction is exact below 4e5
-    rad), then the phase (|phase| <= 2π) is added and the sum wrapped back by 2π. cos and sin
-    run as the hardware approximations on the GPU (absolute error ~1e-6, below bf16's
-    rounding).
-  """
-  rows, h = x.shape
-  ang = st.broadcast(pos, (rows, h), 0) * st.broadcast(freq, (rows, h), 1)
-  turns = jnp.round(ang * (1 / (2 * math.pi)))
-  ang = ang - turns * _TWO_PI_HI - turns * _TWO_PI_LO + st.broadcast(phase, (rows, h), 1)
-  ang = jnp.where(ang > math.pi, ang - 2 * math.pi, jnp.where(ang < -math.pi, ang + 2 * math.pi,
-                                                              ang))
-  mag = st.softplus(x) * magnitude_scale
-  return (mag * jnp.cos(ang)).astype(dtype), (mag * jnp.sin(ang)).astype(dtype)
-
-
-def cartesian_halves_from_tables(x, cos_t, sin_t, cos_p, sin_p, magnitude_scale: float,
-                                 dtype):
-  """In-kernel PoPE Cartesian map of one tile from the cos and sin of its angles (PoPE Eq.
-  7-10; `BlockSizes.query_tables`), by angle addition as `encodings._cos_sin`.
-
-  Args:
-    x: [R, H] raw projections (any float dtype, WGMMA layout).
-    cos_t, sin_t: [R, H] cos(pos·θ) and sin(pos·θ) of the tile's rows (any float dtype; the
-      kernel's tables are float16, `TABLE_DTYPE`).
-    cos_p, sin_p: [H] float32 cos and sin of the phase added to pos·θ.
-    magnitude_scale: factor applied to softplus(x).
-    dtype: result dtype.
-
-  Returns:
-    (μ cos φ, μ sin φ)·magnitude_scale, each [R, H] in `dtype`, φ = pos·θ + phase, μ =
-    softplus(x) (`_streaming.softplus`): cos φ = cos_t cos_p - sin_t sin_p and sin φ = sin_t
-    cos_p + cos_t sin_p. Two transcendentals per element (the softplus) instead of the four
-    of `cartesian_halves`, and no range reduction.
-  """
-  rows, h = x.shape
-  cos_t, sin_t = cos_t.astype(jnp.float32), sin_t.astype(jnp.float32)
-  cos_p, sin_p = st.broadcast(cos_p, (rows, h), 1), st.broadcast(sin_p, (rows, h), 1)
-  mag = st.softplus(x) * magnitude_scale
-  return ((mag * (cos_t * cos_p - sin_t * sin_p)).astype(dtype),
-          (mag * (sin_t * cos_p + cos_t * sin_p)).astype(dtype))
 
 
 def bounded_softmax(blocks: BlockSizes, dtype) -> bool:
@@ -112,8 +48,7 @@ def _q_in_o(blocks: BlockSizes, h: int, vd: int) -> bool:
   # Without `persistent`, the query tile is staged in the output tile's SMEM when the two have
   # one width (the output is written only after the last step), which leaves room for a third
   # stage at H = 128. A persistent CTA loads the next item's queries while it runs this one, so
-  # they get their own buffer. The CPU interpreter runs persistent launches as one tile per CTA
-  # (`_streaming.num_sms`) and with this layout too (docs/results, run 15).
+  # they get their own buffer (the CPU interpreter, one tile per CTA, keeps the shared one).
   return h == vd and not (blocks.persistent and not st.interpreted())
 
 
@@ -165,8 +100,8 @@ def resolve_forward(blocks: BlockSizes, h: int, vd: int, dtype) -> BlockSizes:
   (`stages_fwd`, else `stages`; see `forward_stages`) with a saved for the backward, without
   the query tables (`st.smem_bytes` against `st.smem_limit`; not with `overlap`), else 2: one
   answer for the forward of inference and of training, whose visit tables it shapes. Then
-  `ping_pong` None becomes True with two warpgroups and False with three (docs/results, run
-  29).
+  `ping_pong` None becomes True with two warpgroups and False with three (a ring of three
+  was slower than none).
 
   Args:
     blocks: tile sizes; h: PoPE head dim H; vd: value width V (padded to a multiple of 64);
@@ -242,364 +177,25 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
     out [B, T, N, V] in q's dtype (zero rows where no key is visible),
     lse [B, N, T] float32 base-2 log-sum-exp (1e30 where no key is visible) and, if save_a,
     a [B, T, N, D] in q's dtype.
+
+  Raises:
+    ValueError: trig's rank does not match `use_query_tables`, or the buffers exceed SMEM.
   """
   bsz, t_len, n_heads, h = q.shape
   _, s_len, kv_heads, vd = v.shape
-  d = 2 * h
-  group = n_heads // kv_heads
   dtype = q.dtype
   blocks = resolve_forward(blocks, h, vd, dtype)
   stages = forward_stages(blocks, h, vd, dtype, save_a)
   tables = use_query_tables(blocks, h, vd, dtype, save_a)
   if trig.ndim != (4 if tables else 2):
     raise ValueError(f"trig has shape {trig.shape}; use_query_tables is {tables} here")
-  bq, bk, wgs = blocks.block_q, blocks.block_kv, blocks.forward_warpgroups
-  n_tiles = -(-t_len // (wgs * bq))
-  grid = schedule.shape[0]
-  q_in_o, a_in_smem = _q_in_o(blocks, h, vd), _a_in_smem(blocks, h, vd, save_a)
-
-  # The CPU interpreter runs each warpgroup as its own XLA:CPU execution, and on a 2-core machine
-  # not all of them start at once. Two ways this can hang there, both seen under jit:
-  # - the ping-pong handshake needs both compute warpgroups running together (warpgroup 0
-  #   waiting in the handshake, the TMA warpgroup waiting for releases, warpgroup 1 not
-  #   started), so interpreted runs (tests) keep the plain schedule; the GPU check of
-  #   experiments.bench_attention covers the ping-pong one;
-  # - at some shapes (e.g. H = 32, V = 96) XLA:CPU's concurrency-optimised scheduler runs one
-  #   warpgroup's blocking barrier waits while the others never start; tests/conftest.py turns
-  #   that scheduler off (--xla_cpu_enable_concurrency_optimized_scheduler=false).
-  ping_pong = blocks.ping_pong and not st.interpreted()
-  registers, memory_registers = st.warpgroup_registers(wgs)
-
-  def query_rows(tile, wg):
-    """(rows, live) of a warpgroup's query tile. Where T is not a multiple of the group's
-    rows (three warpgroups), the tiles of the last group past the queries (which visit no
-    keys, `st.visit_table`) load the last tile's rows and store nothing (live False); else
-    every tile is live (None)."""
-    start = (tile * wgs + wg) * bq
-    if t_len % (wgs * bq) == 0:
-      return pl.ds(start, bq), None
-    return pl.ds(jnp.minimum(start, t_len - bq), bq), start < t_len
-
-  def when_live(live, fn):
-    if live is None:
-      fn()
-    else:
-      pl.when(live)(fn)
-
-  def pope_fwd_kernel(q_ref, rot0_ref, rot1_ref, trig_ref, b_ref, v_ref, qpos_ref, kpos_ref,
-                      tab_ref, sched_ref, *rest):
-    bnd_ref, *rest = rest if bounded is not None else (None, *rest)
-    o_ref, lse_ref, *rest = rest
-    if save_a:
-      a_ref, *rest = rest
-    if a_in_smem:
-      a_smem, *rest = rest
-    else:
-      a_smem = None
-    o_smem, qpos_smem, lse_smem, rot_smem, *rest = rest
-    trig_smem, rest = rest[:2 if tables else 1], rest[2 if tables else 1:]
-    (b_smem, v_smem, kpos_smem, q_bar, qpos_bar, ready, consumed, handshake_bar, *rest) = rest
-    q_smem = o_smem if q_in_o else rest.pop(0)
-    ones_smem = rest.pop(0) if blocks.row_sum_mma else None
-    wg = lax.axis_index("wg")
-    ring = st.RingSchedule(handshake_bar, wg, wgs) if ping_pong and wgs > 2 else None
-    handshake = ((lambda: st.schedule_barrier(handshake_bar)) if ping_pong and ring is None
-                 else None)
-    # Under ping-pong: what opens and closes a run of ping-pong items, and what follows the
-    # QKᵀ issue (`then`).
-    if ring is not None:
-      run_start, run_end, after_qk = ring.start, ring.end, ring.pass_on
-    else:
-      run_start = lambda: pl.when(wg == 1)(handshake)
-      run_end = lambda: pl.when(wg == 0)(handshake)
-      after_qk = handshake
-
-    tile_of = lambda item: st.last_tile_first(item, n_heads, n_tiles)
-
-    @pl.when(wg < wgs)
-    def _compute():
-      plgpu.set_max_registers(registers, action="increase")
-      item_of, count = st.cta_items(sched_ref)
-
-      def load_queries(item):
-        """Issues the copies of this warpgroup's query rows of an item: raw queries, the
-        angles (`rot` and `trig`; to q_bar), and the masking positions (to qpos_bar)."""
-        batch, head, tile = tile_of(item)
-        rows, _ = query_rows(tile, wg)
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem.at[wg], q_bar.at[wg])
-        for i, ref in enumerate((rot0_ref, rot1_ref)):
-          plgpu.copy_gmem_to_smem(ref if rot[i].ndim == 1 else ref.at[head],
-                                  rot_smem.at[wg, i], q_bar.at[wg])
-        trig_batch = batch if trig.shape[-3 if tables else -2] > 1 else 0
-        if tables:
-          for i, buf in enumerate(trig_smem):
-            plgpu.copy_gmem_to_smem(trig_ref.at[i, trig_batch, rows], buf.at[wg], q_bar.at[wg])
-        else:
-          plgpu.copy_gmem_to_smem(trig_ref.at[trig_batch, rows], trig_smem[0].at[wg],
-                                  q_bar.at[wg])
-        plgpu.copy_gmem_to_smem(qpos_ref.at[batch, rows], qpos_smem.at[wg], qpos_bar.at[wg])
-
-      if not q_in_o:
-        load_queries(item_of(0))
-      if ones_smem is not None:  # P @ 1: the row sums of P (`BlockSizes.row_sum_mma`)
-        ones_smem.at[wg][...] = plgpu.layout_cast(jnp.ones((bk, ROW_SUM_COLS), dtype),
-                                                  plgpu.Layout.WGMMA)
-        plgpu.commit_smem()
-      def is_bounded(j):
-        """Whether item j of this CTA takes the bounded softmax (the flag of its tile)."""
-        if not bounded_softmax(blocks, dtype):
-          return jnp.bool_(False)
-        batch, head, tile = tile_of(item_of(jnp.clip(j, 0, count - 1)))
-        return bnd_ref[batch, head, tile] != 0
-
-      # Under ping-pong with two warpgroups, each step of an online-softmax item makes two
-      # handshakes (after issuing its matmuls, after the softmax; the overlapped schedule's
-      # `last` makes none). Over each run of consecutive such items, warpgroup 1 makes one
-      # more before the run's first step and warpgroup 0 one more after its last, so they
-      # alternate, also across the run's items. With three, each step takes one turn of the
-      # ring (`st.RingSchedule`, which opens and closes the runs likewise). Bounded items
-      # (`bounded_softmax`; all warpgroups see the same tile's flag) make none: their
-      # softmax is short enough that the warpgroups run side by side.
-      def item_body(j, base):
-        item = item_of(j)
-        batch, head, tile = tile_of(item)
-        rows, live = query_rows(tile, wg)
-        bounded_item = is_bounded(j)
-        if ping_pong:  # the start of a run of ping-pong items
-          pl.when(~bounded_item & ((j == 0) | is_bounded(j - 1)))(run_start)
-        if q_in_o:  # The previous item's output store must have read the tile first.
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          load_queries(item)
-        with jax.named_scope("wait_q"):
-          plgpu.barrier_wait(q_bar.at[wg])
-        with jax.named_scope("query_map"):
-          x = plgpu.load(q_smem.at[wg], layout=plgpu.Layout.WGMMA)
-          rot_rows = [st.row_vector(rot_smem.at[wg, i], 1) for i in range(2)]
-          if tables:
-            cos_t, sin_t = (plgpu.load(buf.at[wg], layout=plgpu.Layout.WGMMA)
-                            for buf in trig_smem)
-            halves = cartesian_halves_from_tables(x, cos_t, sin_t, *rot_rows, magnitude_scale,
-                                                  dtype)
-          else:
-            halves = cartesian_halves(x, st.row_vector(trig_smem[0].at[wg], 0), *rot_rows,
-                                      magnitude_scale, dtype)
-          a = plgpu.layout_cast(jnp.concatenate(halves, axis=1), plgpu.Layout.WGMMA)
-        plgpu.barrier_wait(qpos_bar.at[wg])
-        qpos = st.row_vector(qpos_smem.at[wg], 0)
-        if a_smem is not None:  # (after the previous item's store of a has read it)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          a_smem.at[wg][...] = a
-        if a_smem is not None or not q_in_o:
-          # Makes a visible to TMA and wgmma, and orders every thread's reads of the query
-          # buffers before the next item's copies into them.
-          plgpu.commit_smem()
-        if not q_in_o:
-          pl.when(j + 1 < count)(lambda: load_queries(item_of(j + 1)))
-        if save_a and a_smem is not None:
-          when_live(live, lambda: plgpu.copy_smem_to_gmem(a_smem.at[wg],
-                                                          a_ref.at[batch, rows, head]))
-        elif save_a:  # Each half through the output tile's SMEM (free until the final store,
-          # which waits for the second half's copy to have read it).
-          for i, half in enumerate(halves):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            o_smem.at[wg][...] = half
-            plgpu.commit_smem()
-            when_live(live, lambda i=i: plgpu.copy_smem_to_gmem(
-                o_smem.at[wg], a_ref.at[batch, rows, head, pl.ds(i * h, h)]))
-        # QKᵀ's left operand: a in registers (only b is then read from SMEM) or a's SMEM tile.
-        a_lhs = a if blocks.a_in_registers else a_smem.at[wg]
-        ranges = st.read_ranges(tab_ref, batch, tile, wg)
-        origin = ranges[0] - base  # this item's first step is the ring's step `base`
-
-        @jax.named_scope("wait_kv")
-        def wait_step(s):
-          slot = st.slot_of(s, origin, stages)
-          plgpu.barrier_wait(ready.at[slot])
-          return slot
-
-        def scores(slot):
-          return a_lhs, b_smem.at[slot].transpose((1, 0)), (bq, bk)
-
-        @jax.named_scope("softmax")
-        def softmax(s_blk, m_i, l_i, slot, mode, cast=True, bounded=False):
-          """Online softmax of one score tile: (m, l, P, alpha), alpha the per-row factor of
-          the old acc (`rescale`; 1 where the max stays, None: no rescale); P in q's dtype if
-          `cast`, else float32. Under `blocks.rescale_threshold` a row's max m moves only
-          when its block max exceeds it by more than that, so P <= 2**rescale_threshold.
-          With `bounded` (every score within ±BOUNDED_SCORE_LIMIT) m stays 0: P =
-          exp2(scores), no max and no rescale. Under `row_sum_mma` the returned l lacks this
-          step's P, which `pv` adds, and its rescale, which `rescale` applies."""
-          if mode == "masked":
-            kpos = st.row_vector(kpos_smem.at[slot], 1)
-            visible = st.broadcast(kpos, (bq, bk), 1) <= st.broadcast(qpos, (bq, bk), 0)
-            s_blk = jnp.where(visible, s_blk, st.NEG_INF)
-          if bounded:
-            p = jnp.exp2(s_blk)
-            if ones_smem is None:
-              l_i = l_i + p.sum(axis=1)
-            return m_i, l_i, p.astype(dtype) if cast else p, None
-          m_blk = s_blk.max(axis=1)
-          if blocks.rescale_threshold is None:
-            m_new = jnp.maximum(m_i, m_blk)
-          else:
-            m_new = jnp.where(m_blk > m_i + blocks.rescale_threshold, m_blk, m_i)
-          alpha = jnp.exp2(m_i - m_new)  # 1 where the max stays
-          p = jnp.exp2(s_blk - st.broadcast(m_new, (bq, bk), 0))
-          if ones_smem is None:  # (else [bq, ROW_SUM_COLS], rescaled with acc; P @ 1 in `pv`)
-            l_i = l_i * alpha + p.sum(axis=1)
-          if cast:
-            p = p.astype(dtype)
-          return m_new, l_i, p, alpha
-
-        def hand_over(*values, pp=ping_pong):
-          """Under ping-pong (`pp`): finish computing `values`, then the handshake that hands the
-          tensor cores to the other warpgroup. As compiled, ptxas still moves the handshake's
-          arrive (it depends on no register) to the start of the softmax; only its wait stays
-          here (docs/results/attention_kernel.md, run 12)."""
-          if not pp:
-            return values
-          values = lax.optimization_barrier(values)
-          handshake()
-          return values
-
-        def rescale(acc, l_i, alpha):
-          """acc, and under `row_sum_mma` l, times `softmax`'s per-row alpha; under
-          `blocks.rescale_threshold` only in the warps where some row's max moved (alpha < 1;
-          in the others every alpha is 1)."""
-          scaled = (acc,) if ones_smem is None else (acc, l_i)
-          times_alpha = lambda: tuple(x * st.broadcast(alpha, x.shape, 0) for x in scaled)
-          if blocks.rescale_threshold is None:
-            scaled = times_alpha()
-          else:
-            scaled = lax.cond(st.warp_any(alpha < 1.0), times_alpha, lambda: scaled)
-          return scaled if ones_smem is not None else (scaled[0], l_i)
-
-        def pv(acc, l_i, p, slot):
-          """acc + P V and, under `row_sum_mma`, l + P 1, issued together."""
-          if ones_smem is None:
-            return st.matmul_acc(acc, p, v_smem.at[slot]), l_i
-          return st.matmul_accs((acc, l_i), p, (v_smem.at[slot], ones_smem.at[wg]))
-
-        def skip(s, carry, pp=ping_pong):
-          plgpu.barrier_arrive(consumed.at[wait_step(s)])
-          if pp and ring is not None:
-            ring.wait()
-            ring.pass_on()
-          elif pp:
-            handshake()
-            handshake()
-          return carry
-
-        def step(s, carry, mode, bounded=False):
-          """One step as written: QKᵀ, softmax, then PV, each awaited; with ping-pong handshakes
-          unless `bounded`."""
-          pp = ping_pong and not bounded
-          if mode == "skip":
-            return skip(s, carry, pp)
-          acc, m_i, l_i = carry
-          slot = wait_step(s)
-          if pp and ring is not None:
-            ring.wait()
-          with jax.named_scope("qk"):
-            s_blk = st.matmul(*scores(slot), then=after_qk if pp else None)
-          m_i, l_i, p, alpha = softmax(s_blk, m_i, l_i, slot, mode, bounded=bounded)
-          if alpha is not None:
-            acc, l_i = rescale(acc, l_i, alpha)
-          acc, m_i, l_i, p = hand_over(acc, m_i, l_i, p, pp=pp and ring is None)
-          with jax.named_scope("pv"):
-            acc, l_i = pv(acc, l_i, p, slot)
-          plgpu.barrier_arrive(consumed.at[slot])
-          return acc, m_i, l_i
-
-        # The overlapped schedule (FlashAttention-3 §3.2): step s issues QKᵀ of s with PV of
-        # s - 1, whose P it carries, and runs the softmax of s while PV runs; so a slot is released
-        # one step later, after its PV. P is cast to q's dtype only after PV is awaited: ptxas
-        # serialises the wgmmas when a wgmma operand register is written while one is in flight.
-        def first(s, carry):
-          acc, m_i, l_i, _ = carry
-          slot = wait_step(s)
-          with jax.named_scope("qk"):
-            s_blk = st.matmul(*scores(slot), then=handshake)
-          m_i, l_i, p, _ = softmax(s_blk, m_i, l_i, slot, "masked")
-          m_i, l_i, p = hand_over(m_i, l_i, p)
-          return acc, m_i, l_i, p
-
-        def step_overlapped(s, carry, mode):
-          acc, m_i, l_i, p_prev = carry
-          slot, prev = wait_step(s), st.slot_of(s - 1, origin, stages)
-          with jax.named_scope("qk_pv"):
-            (m_i, l_i, p, alpha), acc = st.matmul_overlapped(
-                *scores(slot), acc, p_prev, v_smem.at[prev],
-                lambda s_blk: hand_over(*softmax(s_blk, m_i, l_i, slot, mode, cast=False)),
-                then=handshake)
-          plgpu.barrier_arrive(consumed.at[prev])
-          acc, l_i = rescale(acc, l_i, alpha)
-          return acc, m_i, l_i, p.astype(dtype)
-
-        def last(s, carry):
-          acc, m_i, l_i, p = carry
-          slot = st.slot_of(s, origin, stages)
-          with jax.named_scope("pv"):
-            acc = st.matmul_acc(acc, p, v_smem.at[slot])
-          plgpu.barrier_arrive(consumed.at[slot])
-          return acc, m_i, l_i, p
-
-        def loops(bounded):
-          """The item's steps: (acc, m, l), m and l [bq] (l the row sums of exp2(s - m))."""
-          acc = plgpu.layout_cast(jnp.zeros((bq, vd), jnp.float32), plgpu.Layout.WGMMA)
-          m_i = plgpu.layout_cast(jnp.full((bq,), 0.0 if bounded else st.M_INIT, jnp.float32),
-                                  plgpu.Layout.WGMMA.reduce(1))
-          if ones_smem is None:
-            l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32),
-                                    plgpu.Layout.WGMMA.reduce(1))
-          else:
-            l_i = plgpu.layout_cast(jnp.zeros((bq, ROW_SUM_COLS), jnp.float32),
-                                    plgpu.Layout.WGMMA)
-          if blocks.overlap:  # (BlockSizes refuses overlap with row_sum_mma, bounded_softmax)
-            assert ones_smem is None and not bounded
-            p = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
-            acc, m_i, l_i, _ = st.compute_loops_overlapped(
-                ranges, (acc, m_i, l_i, p), skip, first, step_overlapped, last)
-          else:
-            acc, m_i, l_i = st.compute_loops(ranges, (acc, m_i, l_i),
-                                             functools.partial(step, bounded=bounded))
-          if ones_smem is not None:  # every column holds the row sums
-            l_i = l_i.max(axis=1)
-          return acc, m_i, l_i
-
-        if bounded_softmax(blocks, dtype):  # per item: bounded scores skip the running max
-          acc, m_i, l_i = lax.cond(bounded_item, lambda: loops(True), lambda: loops(False))
-        else:
-          acc, m_i, l_i = loops(False)
-
-        with jax.named_scope("store"):
-          # The copies of a (this item's) or of the output (the previous item's) must have
-          # read the tiles first.
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          empty = l_i == 0.0
-          l_safe = jnp.where(empty, 1.0, l_i)
-          o_smem.at[wg][...] = (acc / st.broadcast(l_safe, (bq, vd), 0)).astype(dtype)
-          lse_smem.at[wg][...] = jnp.where(empty, 1e30,
-                                           m_i + jnp.log(l_safe) * (1 / math.log(2)))
-          plgpu.commit_smem()
-
-          def store():
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[batch, rows, head])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, rows])
-          when_live(live, store)
-        if ping_pong:  # the end of a run of ping-pong items
-          pl.when(~bounded_item & ((j == count - 1) | is_bounded(j + 1)))(run_end)
-        return base + ranges[1] - ranges[0]
-
-      lax.fori_loop(0, count, item_body, jnp.int32(0))
-      plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg == wgs)
-    def _memory():
-      st.stream_keys(st.for_each_item(sched_ref), tile_of, tab_ref, (b_ref, v_ref, kpos_ref),
-                     (b_smem, v_smem, kpos_smem), group, bk, stages, consumed, ready,
-                     memory_registers)
-
+  wgs = blocks.forward_warpgroups
+  kernel = _ForwardKernel(
+      blocks=blocks, stages=stages, tables=tables, save_a=save_a, dtype=dtype, h=h, vd=vd,
+      t_len=t_len, n_heads=n_heads, group=n_heads // kv_heads,
+      magnitude_scale=magnitude_scale, has_bounded=bounded is not None,
+      rot_per_head=tuple(r.ndim != 1 for r in rot),
+      trig_batched=trig.shape[-3 if tables else -2] > 1)
   scratch = _scratch(blocks, stages, h, vd, dtype, save_a, tables)
   st.check_smem(scratch, "forward", f"at {stages} stages (BlockSizes.stages_fwd="
                 f"{blocks.stages_fwd}, stages={blocks.stages}) lower stages_fwd (or stages when "
@@ -609,14 +205,245 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
   out_type = (jax.ShapeDtypeStruct((bsz, t_len, n_heads, vd), dtype),
               jax.ShapeDtypeStruct((bsz, n_heads, t_len), jnp.float32))
   if save_a:
-    out_type += (jax.ShapeDtypeStruct((bsz, t_len, n_heads, d), dtype),)
+    out_type += (jax.ShapeDtypeStruct((bsz, t_len, n_heads, 2 * h), dtype),)
   return plgpu.kernel(
-      pope_fwd_kernel,
+      kernel.pope_fwd_kernel,
       out_type=out_type,
       scratch_types=scratch,
-      grid=(grid,),
+      grid=(schedule.shape[0],),
       grid_names=("cta",),
       num_threads=wgs + 1,
       thread_name="wg",
       compiler_params=st.compiler_params(),
   )(q, *rot, trig, b, v, q_pos, k_pos, table, schedule, *([] if bounded is None else [bounded]))
+
+
+class _ForwardKernel:
+  """The forward kernel's body, built at trace time in stages: `pope_fwd_kernel` splits the
+  refs and runs `_compute` (compute warpgroups) or `stream_keys` (memory warpgroup); each item
+  of a compute warpgroup runs `_item`: load the query rows, map them (`_map_queries`), run the
+  item's steps (`ItemSteps.loops`), then normalise and store (`_store`)."""
+
+  def __init__(self, *, blocks: BlockSizes, stages: int, tables: bool, save_a: bool, dtype,
+               h: int, vd: int, t_len: int, n_heads: int, group: int, magnitude_scale: float,
+               has_bounded: bool, rot_per_head: tuple, trig_batched: bool):
+    self.blocks, self.stages, self.tables, self.save_a = blocks, stages, tables, save_a
+    self.dtype, self.h, self.vd, self.t_len, self.n_heads = dtype, h, vd, t_len, n_heads
+    self.group, self.magnitude_scale, self.has_bounded = group, magnitude_scale, has_bounded
+    self.rot_per_head, self.trig_batched = rot_per_head, trig_batched
+    self.bq, self.bk, self.wgs = blocks.block_q, blocks.block_kv, blocks.forward_warpgroups
+    self.n_tiles = -(-t_len // (self.wgs * self.bq))
+    self.q_in_o, self.a_in_smem = _q_in_o(blocks, h, vd), _a_in_smem(blocks, h, vd, save_a)
+    # Interpreted runs (tests) keep the plain schedule: the CPU interpreter runs each
+    # warpgroup as its own XLA:CPU execution, and the handshake hangs where the two compute
+    # warpgroups do not all start at once (few cores); the GPU check covers ping-pong.
+    self.ping_pong = blocks.ping_pong and not st.interpreted()
+    self.registers, self.memory_registers = st.warpgroup_registers(self.wgs)
+
+  def query_rows(self, tile, wg):
+    """(rows, live) of a warpgroup's query tile. Where T is not a multiple of the group's
+    rows (three warpgroups), the tiles of the last group past the queries (which visit no
+    keys, `st.visit_table`) load the last tile's rows and store nothing (live False); else
+    every tile is live (None)."""
+    start = (tile * self.wgs + wg) * self.bq
+    if self.t_len % (self.wgs * self.bq) == 0:
+      return pl.ds(start, self.bq), None
+    return pl.ds(jnp.minimum(start, self.t_len - self.bq), self.bq), start < self.t_len
+
+  def tile_of(self, item):
+    return st.last_tile_first(item, self.n_heads, self.n_tiles)
+
+  def pope_fwd_kernel(self, q_ref, rot0_ref, rot1_ref, trig_ref, b_ref, v_ref, qpos_ref,
+                      kpos_ref, tab_ref, sched_ref, *rest):
+    """The kernel: splits the refs (in `_scratch`'s order) and forks the warpgroups."""
+    bnd_ref, *rest = rest if self.has_bounded else (None, *rest)
+    o_ref, lse_ref, *rest = rest
+    a_ref = None
+    if self.save_a:
+      a_ref, *rest = rest
+    a_smem = None
+    if self.a_in_smem:
+      a_smem, *rest = rest
+    o_smem, qpos_smem, lse_smem, rot_smem, *rest = rest
+    n_trig = 2 if self.tables else 1
+    trig_smem, rest = rest[:n_trig], rest[n_trig:]
+    (b_smem, v_smem, kpos_smem, q_bar, qpos_bar, ready, consumed, handshake_bar, *rest) = rest
+    q_smem = o_smem if self.q_in_o else rest.pop(0)
+    ones_smem = rest.pop(0) if self.blocks.row_sum_mma else None
+    self.refs = types.SimpleNamespace(
+        q=q_ref, rot=(rot0_ref, rot1_ref), trig=trig_ref, qpos=qpos_ref, tab=tab_ref,
+        sched=sched_ref, bnd=bnd_ref, o=o_ref, lse=lse_ref, a=a_ref, a_smem=a_smem,
+        o_smem=o_smem, qpos_smem=qpos_smem, lse_smem=lse_smem, rot_smem=rot_smem,
+        trig_smem=trig_smem, b_smem=b_smem, v_smem=v_smem, kpos_smem=kpos_smem, q_bar=q_bar,
+        qpos_bar=qpos_bar, ready=ready, consumed=consumed, q_smem=q_smem, ones_smem=ones_smem)
+    wg = lax.axis_index("wg")
+    self._schedule(handshake_bar, wg)
+
+    @pl.when(wg < self.wgs)
+    def _compute():
+      self._compute(wg)
+
+    @pl.when(wg == self.wgs)
+    def _memory():
+      st.stream_keys(st.for_each_item(sched_ref), self.tile_of, tab_ref,
+                     (b_ref, v_ref, kpos_ref), (b_smem, v_smem, kpos_smem), self.group,
+                     self.bk, self.stages, consumed, ready, self.memory_registers)
+
+  def _schedule(self, handshake_bar, wg):
+    """Under ping-pong: the handshake (two warpgroups) or ring (three), and what opens and
+    closes a run of ping-pong items and follows the QKᵀ issue (`after_qk`)."""
+    ping_pong = self.ping_pong
+    self.ring = ring = (st.RingSchedule(handshake_bar, wg, self.wgs)
+                        if ping_pong and self.wgs > 2 else None)
+    handshake = self.handshake = (
+        (lambda: st.schedule_barrier(handshake_bar)) if ping_pong and ring is None else None)
+    if ring is not None:
+      self.run_start, self.run_end, self.after_qk = ring.start, ring.end, ring.pass_on
+    else:
+      self.run_start = lambda: pl.when(wg == 1)(handshake)
+      self.run_end = lambda: pl.when(wg == 0)(handshake)
+      self.after_qk = handshake
+
+  def _compute(self, wg):
+    """A compute warpgroup: its CTA's items in turn."""
+    r = self.refs
+    plgpu.set_max_registers(self.registers, action="increase")
+    self.item_of, self.count = st.cta_items(r.sched)
+    if not self.q_in_o:
+      self._load_queries(self.item_of(0), wg)
+    if r.ones_smem is not None:  # P @ 1: the row sums of P (`BlockSizes.row_sum_mma`)
+      r.ones_smem.at[wg][...] = plgpu.layout_cast(
+          jnp.ones((self.bk, ROW_SUM_COLS), self.dtype), plgpu.Layout.WGMMA)
+      plgpu.commit_smem()
+    lax.fori_loop(0, self.count, lambda j, base: self._item(j, base, wg), jnp.int32(0))
+    plgpu.wait_smem_to_gmem(0)
+
+  def _load_queries(self, item, wg):
+    """Issues the copies of this warpgroup's query rows of an item: raw queries, the
+    angles (`rot` and `trig`; to q_bar), and the masking positions (to qpos_bar)."""
+    r = self.refs
+    batch, head, tile = self.tile_of(item)
+    rows, _ = self.query_rows(tile, wg)
+    plgpu.copy_gmem_to_smem(r.q.at[batch, rows, head], r.q_smem.at[wg], r.q_bar.at[wg])
+    for i, ref in enumerate(r.rot):
+      plgpu.copy_gmem_to_smem(ref.at[head] if self.rot_per_head[i] else ref,
+                              r.rot_smem.at[wg, i], r.q_bar.at[wg])
+    trig_batch = batch if self.trig_batched else 0
+    if self.tables:
+      for i, buf in enumerate(r.trig_smem):
+        plgpu.copy_gmem_to_smem(r.trig.at[i, trig_batch, rows], buf.at[wg], r.q_bar.at[wg])
+    else:
+      plgpu.copy_gmem_to_smem(r.trig.at[trig_batch, rows], r.trig_smem[0].at[wg],
+                              r.q_bar.at[wg])
+    plgpu.copy_gmem_to_smem(r.qpos.at[batch, rows], r.qpos_smem.at[wg], r.qpos_bar.at[wg])
+
+  def is_bounded(self, j):
+    """Whether item j of this CTA takes the bounded softmax (the flag of its tile)."""
+    if not bounded_softmax(self.blocks, self.dtype):
+      return jnp.bool_(False)
+    batch, head, tile = self.tile_of(self.item_of(jnp.clip(j, 0, self.count - 1)))
+    return self.refs.bnd[batch, head, tile] != 0
+
+  def _map_queries(self, wg):
+    """The resident query tile mapped to its Cartesian form: (a [bq, D] in WGMMA layout,
+    its two halves [bq, H])."""
+    r = self.refs
+    with jax.named_scope("wait_q"):
+      plgpu.barrier_wait(r.q_bar.at[wg])
+    with jax.named_scope("query_map"):
+      x = plgpu.load(r.q_smem.at[wg], layout=plgpu.Layout.WGMMA)
+      rot_rows = [st.row_vector(r.rot_smem.at[wg, i], 1) for i in range(2)]
+      if self.tables:
+        cos_t, sin_t = (plgpu.load(buf.at[wg], layout=plgpu.Layout.WGMMA)
+                        for buf in r.trig_smem)
+        halves = cartesian_halves_from_tables(x, cos_t, sin_t, *rot_rows,
+                                              self.magnitude_scale, self.dtype)
+      else:
+        halves = cartesian_halves(x, st.row_vector(r.trig_smem[0].at[wg], 0), *rot_rows,
+                                  self.magnitude_scale, self.dtype)
+      a = plgpu.layout_cast(jnp.concatenate(halves, axis=1), plgpu.Layout.WGMMA)
+    return a, halves
+
+  def _stage_a(self, a, halves, j, wg, batch, head, rows, live):
+    """Puts a where QKᵀ and the backward read it: a's SMEM tile, and with `save_a` a's rows
+    in GMEM (through a's tile, or each half through the output tile's SMEM, free until the
+    final store). Also issues the next item's query copies into the freed buffers."""
+    r, h = self.refs, self.h
+    if r.a_smem is not None:  # (after the previous item's store of a has read it)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      r.a_smem.at[wg][...] = a
+    if r.a_smem is not None or not self.q_in_o:
+      # Makes a visible to TMA and wgmma, and orders every thread's reads of the query
+      # buffers before the next item's copies into them.
+      plgpu.commit_smem()
+    if not self.q_in_o:
+      pl.when(j + 1 < self.count)(lambda: self._load_queries(self.item_of(j + 1), wg))
+    if self.save_a and r.a_smem is not None:
+      _when_live(live, lambda: plgpu.copy_smem_to_gmem(r.a_smem.at[wg],
+                                                       r.a.at[batch, rows, head]))
+    elif self.save_a:  # (the final store waits for the second half's copy to have read it)
+      for i, half in enumerate(halves):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        r.o_smem.at[wg][...] = half
+        plgpu.commit_smem()
+        _when_live(live, lambda i=i: plgpu.copy_smem_to_gmem(
+            r.o_smem.at[wg], r.a.at[batch, rows, head, pl.ds(i * h, h)]))
+
+  def _item(self, j, base, wg):
+    """Item j of this CTA, whose first step is the ring's step `base`; returns the next
+    item's. Under ping-pong, each run of consecutive online-softmax items is opened and
+    closed by `run_start` and `run_end` (bounded items make no handshakes)."""
+    r = self.refs
+    item = self.item_of(j)
+    batch, head, tile = self.tile_of(item)
+    rows, live = self.query_rows(tile, wg)
+    bounded_item = self.is_bounded(j)
+    if self.ping_pong:  # the start of a run of ping-pong items
+      pl.when(~bounded_item & ((j == 0) | self.is_bounded(j - 1)))(self.run_start)
+    if self.q_in_o:  # The previous item's output store must have read the tile first.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      self._load_queries(item, wg)
+    a, halves = self._map_queries(wg)
+    plgpu.barrier_wait(r.qpos_bar.at[wg])
+    qpos = st.row_vector(r.qpos_smem.at[wg], 0)
+    self._stage_a(a, halves, j, wg, batch, head, rows, live)
+    # QKᵀ's left operand: a in registers (only b is then read from SMEM) or a's SMEM tile.
+    a_lhs = a if self.blocks.a_in_registers else r.a_smem.at[wg]
+    ranges = st.read_ranges(r.tab, batch, tile, wg)
+    steps = ItemSteps(self, wg, a_lhs, qpos, ranges, origin=ranges[0] - base)
+    if bounded_softmax(self.blocks, self.dtype):  # per item: bounded scores skip the max
+      acc, m_i, l_i = lax.cond(bounded_item, lambda: steps.loops(True),
+                               lambda: steps.loops(False))
+    else:
+      acc, m_i, l_i = steps.loops(False)
+    self._store(acc, m_i, l_i, wg, batch, head, rows, live)
+    if self.ping_pong:  # the end of a run of ping-pong items
+      pl.when(~bounded_item & ((j == self.count - 1) | self.is_bounded(j + 1)))(self.run_end)
+    return base + ranges[1] - ranges[0]
+
+  def _store(self, acc, m_i, l_i, wg, batch, head, rows, live):
+    """Epilogue: out = acc / l in q's dtype and lse = m + log2(l) (1e30 and zero rows where
+    no key is visible), through SMEM to GMEM."""
+    r, bq, vd = self.refs, self.bq, self.vd
+    with jax.named_scope("store"):
+      # The copies of a (this item's) or of the output (the previous item's) must have
+      # read the tiles first.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      empty = l_i == 0.0
+      l_safe = jnp.where(empty, 1.0, l_i)
+      r.o_smem.at[wg][...] = (acc / st.broadcast(l_safe, (bq, vd), 0)).astype(self.dtype)
+      r.lse_smem.at[wg][...] = jnp.where(empty, 1e30,
+                                         m_i + jnp.log(l_safe) * (1 / math.log(2)))
+      plgpu.commit_smem()
+
+      def store():
+        plgpu.copy_smem_to_gmem(r.o_smem.at[wg], r.o.at[batch, rows, head])
+        plgpu.copy_smem_to_gmem(r.lse_smem.at[wg], r.lse.at[batch, head, rows])
+      _when_live(live, store)
+
+
+def _when_live(live, fn):
+  if live is None:
+    fn()
+  else:
+    pl.when(live)(fn)

@@ -1,4 +1,4 @@
-"""Named PoPE attention shapes shared by the kernel tests and the benchmark.
+"""Named PoPE attention shapes shared by the kernel tests and the benchmark, and their inputs.
 
 Shape letters: B batch, T query length, S key length, N query heads, K kv heads, H head dim,
 V value head dim.
@@ -7,6 +7,10 @@ V value head dim.
 from __future__ import annotations
 
 import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,3 +73,17 @@ SHAPES: dict[str, AttentionShape] = {
     "check_h64_decode": AttentionShape(batch=2, q_len=1, k_len=700, num_heads=8, num_kv_heads=2,
                                        head_dim=64, value_dim=64),
 }
+
+
+def random_inputs(shape: AttentionShape, dtype=jnp.bfloat16, seed: int = 0):
+  """Standard-normal q [B, T, N, H], k [B, S, K, H], v [B, S, K, V] in `dtype` and a phase bias
+  δ [N, H] float32 uniform in [-2π, 0), all from `jax.random.key(seed)`."""
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (shape.batch, shape.q_len, shape.num_heads, shape.head_dim), dtype)
+  k = jax.random.normal(ks[1], (shape.batch, shape.k_len, shape.num_kv_heads, shape.head_dim),
+                        dtype)
+  v = jax.random.normal(ks[2], (shape.batch, shape.k_len, shape.num_kv_heads, shape.value_dim),
+                        dtype)
+  delta = jax.random.uniform(ks[3], (shape.num_heads, shape.head_dim), jnp.float32,
+                             -2 * math.pi, 0.0)
+  return q, k, v, delta

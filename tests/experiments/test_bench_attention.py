@@ -37,10 +37,10 @@ def test_check_inputs_mix_bounded_and_unbounded_tiles():
   # The GPU check's queries (`_tile_scale`) must give `bounded_softmax` both kinds of items.
   from pallas_kernels import pope_attention as kernel
   from pallas_kernels.pope_attention_config import default_block_sizes
-  from pallas_kernels.shapes import SHAPES
+  from pallas_kernels.shapes import SHAPES, random_inputs
   for name in ("check_h64", "check_h128"):
     shape = SHAPES[name]
-    q, k, _, _ = bench_attention._inputs(shape, seed=1)
+    q, k, _, _ = random_inputs(shape, seed=1)
     rows = kernel.forward_tile_rows(default_block_sizes(shape.head_dim), shape.head_dim,
                                     shape.value_dim, q.dtype)
     assert rows == {"check_h64": 192, "check_h128": 128}[name]

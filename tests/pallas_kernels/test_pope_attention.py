@@ -453,7 +453,7 @@ def test_persistent_launch_over_tiles(head_dim, persistent, is_causal):
   # the item numbering and the schedule tables; several items per CTA, the query prefetch and
   # the ring of slots across items run only on the GPU (experiments.bench_attention --check).
   # (At H = 128, non-causal, this shape sometimes never finished in the interpreter on 2 cores,
-  # with one tile per CTA too: docs/results, run 15.)
+  # with one tile per CTA too.)
   q, k, v, delta, cot = _problem((1, 2, 1, head_dim), 300, 330, seed=5)
   blocks = resolve_forward(dataclasses.replace(default_block_sizes(head_dim),
                                                persistent=persistent),

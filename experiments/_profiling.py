@@ -1,4 +1,4 @@
-"""Device time per XLA op of a jitted function, from a `jax.profiler` trace.
+"""Device time per XLA op of a jitted function, from a `jax.profiler` trace (a helper, no CLI).
 
 Used by `experiments.bench_attention --profile` to show where a train step or an attention call
 spends its time (matmuls, attention kernels, fusions, copies), so speed work is aimed by
