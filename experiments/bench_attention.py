@@ -456,6 +456,8 @@ def main():
   parser.add_argument("--check-shapes", default="",
                       help="--check only these shapes of pallas_kernels.shapes, comma-separated "
                            "(default: every check_* shape)")
+  parser.add_argument("--shapes", default="bench_h64,bench_h128",
+                      help="main tables' shapes of pallas_kernels.shapes, comma-separated")
   parser.add_argument("--dtypes", default="bfloat16",
                       help="main tables' input dtypes, comma-separated (bfloat16, float16)")
   parser.add_argument("--variants", action="store_true", help="time block-size variants")
@@ -485,6 +487,9 @@ def main():
   if unknown := [n for n in check_shapes if n not in SHAPES]:
     parser.error(f"--check-shapes: unknown {unknown}; known: {sorted(SHAPES)}")
   bench_dtypes = dtype_list("--dtypes", args.dtypes)
+  bench_shapes = [n.strip() for n in args.shapes.split(",") if n.strip()]
+  if not bench_shapes or (unknown := [n for n in bench_shapes if n not in SHAPES]):
+    parser.error(f"--shapes {args.shapes!r}: give some of {sorted(SHAPES)}")
   try:
     import tokamax  # noqa: F401
     with_tokamax = True
@@ -502,7 +507,7 @@ def main():
     # Keys: the shape's name, followed by the dtype for dtypes other than bfloat16.
     results["bench"] = {n if d == "bfloat16" else f"{n} {d}":
                         bench_head_dim(n, args.iters, with_tokamax, d)
-                        for d in bench_dtypes for n in ("bench_h64", "bench_h128")}
+                        for d in bench_dtypes for n in bench_shapes}
   if args.variants:
     results["variants"] = variants(args.iters)
   if args.profile:
