@@ -63,9 +63,10 @@ def dot_product_attention_reference(
     mask: None or bool broadcastable to [B, T, S] (True = visible).
 
   Returns:
-    [B, T, N, V] float32. Rows with no visible key are zero. A masked key never affects the
-    output, whatever its key and value hold (NaN, inf: e.g. unwritten KV-cache slots): its score
-    is replaced, not offset, and values no query sees are zeroed (0 · NaN would be NaN).
+    [B, T, N, V] float32. Rows with no visible key are zero. A key that no query sees (e.g. an
+    unwritten KV-cache slot) never affects the output, whatever its key and value hold (NaN,
+    inf): scores are replaced, not offset, and such values are zeroed (0 · NaN would be NaN). A
+    key hidden from some queries only adds 0 · value to them, as in plain softmax attention.
   """
   _check_qkv(q, k, v)
   b, t, n, _ = q.shape
