@@ -1,4 +1,4 @@
-"""Llama inputs: checked token ids, multipliers and positions; unwritten KV-cache slots are inert."""
+"""Llama inputs: checked ids, multipliers and positions; unwritten KV-cache slots are inert."""
 
 import jax
 import jax.numpy as jnp
