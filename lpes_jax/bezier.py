@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pope_jax import checks
+
 DEFAULT_GRID = tuple(round(1.0 + 0.1 * i, 1) for i in range(11))
 _BISECTION_STEPS = 40
 
@@ -70,12 +72,10 @@ class BezierConfig:
 
 
 def validate_scales(scales, *, name: str = "scales") -> np.ndarray:
-  """Returns scales as float64 numpy; raises ValueError if any is <= 0 or not finite."""
+  """Returns scales as float64 numpy; raises ValueError naming `name` if any is <= 0 or not
+  finite (the check of every multiplier, `pope_jax.checks.check_positive_finite`)."""
   s = np.asarray(scales, dtype=np.float64)
-  if not np.all(np.isfinite(s)):
-    raise ValueError(f"{name} must be finite, got {s.tolist()}")
-  if not np.all(s > 0):
-    raise ValueError(f"{name} must be > 0, got {s.tolist()}")
+  checks.check_positive_finite(s, name)
   return s
 
 

@@ -38,7 +38,8 @@ import numpy as np
 
 from lpes_jax.config import LlamaConfig
 from lpes_jax.rope_scaling import scaled_rope_frequencies
-from pope_jax import encodings, rope_attention
+from pope_jax import checks, encodings, rope_attention
+from pope_jax.positions import check_int32_range
 
 Array = jax.Array
 KVCache = dict[str, Any]
@@ -184,7 +185,10 @@ class Llama(nn.Module):
     """Next-token logits, optionally reading and extending a KV cache.
 
     Args:
-      tokens: [B, T] int32.
+      tokens: [B, T] int32 ids in [0, V). Concrete ids (an eager call) are checked; under `jit`
+        (traced ids) they are not, and the embedding lookup (Flax `nn.Embed`: `jnp.take` in its
+        default "fill" mode) reads an id in [-V, 0) as id + V (−1 is the last token) and gives
+        an all-NaN embedding, hence NaN logits, for an id >= V or < −V.
       positions: [B, T] int32; default `padded_positions(attention_mask, tokens in cache)`.
       attention_mask: [B, T] bool/int, 0 for (left) padding; default all ones.
       rope_multipliers: None, [], [L] or [L, N] float frequency multipliers (traced; vmap-able).
@@ -201,10 +205,13 @@ class Llama(nn.Module):
     Raises:
       ValueError: tokens not 2-D; attention_mask or positions not of the tokens' shape; bad
         multiplier shape; T larger than the cache's free slots (checked when the cache index
-        is concrete; under jit only against the cache length).
+        is concrete; under jit only against the cache length). For concrete values only: a
+        token id outside [0, V), multipliers not finite and > 0, positions outside int32.
+      TypeError: tokens that are not integers (e.g. a string prompt).
     """
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
+    checks.check_token_ids(tokens, cfg.vocab_size, argument="tokens")
     if jnp.ndim(tokens) != 2:
       raise ValueError(f"tokens must be [batch, length], got shape {jnp.shape(tokens)} "
                        "(add a batch axis: tokens[None])")
@@ -212,6 +219,8 @@ class Llama(nn.Module):
     for name, value in (("attention_mask", attention_mask), ("positions", positions)):
       if value is not None and jnp.shape(value) != (b, t):
         raise ValueError(f"{name} must have the tokens' shape {(b, t)}, got {jnp.shape(value)}")
+    if positions is not None:
+      check_int32_range(positions, "positions")
     plain = kv_cache is None and attention_mask is None and positions is None
     if attention_mask is None:
       attention_mask = jnp.ones((b, t), bool)

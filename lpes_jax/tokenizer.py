@@ -18,6 +18,8 @@ from typing import Any, Sequence
 import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers
 
+from pope_jax import checks
+
 # llama.cpp pre-tokeniser names (tokenizer.ggml.pre) → the splitting regex of the original tokenizer.
 _GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 _LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
@@ -51,6 +53,9 @@ class Tokenizer:
     add_bos: whether `encode` prepends BOS by default.
     chat_template: jinja2 source, or None.
     bos_token, eos_token: their strings (for chat templates).
+    model_vocab_size: the model's vocabulary size V when known; `encode` then checks its ids
+      against it (a tokenizer larger than the model's embedding, or a stray BOS id, fails there
+      rather than as NaN logits).
   """
   backend: tokenizers.Tokenizer
   bos_id: int | None
@@ -60,17 +65,24 @@ class Tokenizer:
   chat_template: str | None = None
   bos_token: str | None = None
   eos_token: str | None = None
+  model_vocab_size: int | None = None
 
   @property
   def vocab_size(self) -> int:
     return self.backend.get_vocab_size(with_added_tokens=True)
 
   def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
-    """Token ids of `text`; BOS prepended once if `add_bos` (default: the checkpoint's setting)."""
+    """Token ids of `text`; BOS prepended once if `add_bos` (default: the checkpoint's setting).
+
+    Raises:
+      ValueError: an id outside [0, model_vocab_size), when that is known.
+    """
     ids = self.backend.encode(text, add_special_tokens=False).ids
     add_bos = self.add_bos if add_bos is None else add_bos
     if add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
       ids = [self.bos_id] + ids
+    if self.model_vocab_size is not None:
+      checks.check_token_ids(ids, self.model_vocab_size, argument="the encoded ids")
     return ids
 
   def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
@@ -192,8 +204,12 @@ def load_gguf_tokenizer(path: str) -> Tokenizer:
       eos_token=None if eos_id is None else tokens[eos_id])
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-  """Tokenizer of a Hugging Face folder or a .gguf file (see module docstring)."""
-  if os.path.isdir(path):
-    return load_hf_tokenizer(path)
-  return load_gguf_tokenizer(path)
+def load_tokenizer(path: str, *, model_vocab_size: int | None = None) -> Tokenizer:
+  """Tokenizer of a Hugging Face folder or a .gguf file (see module docstring).
+
+  Args:
+    path: the folder or file.
+    model_vocab_size: the model's vocabulary size V, when known (`Tokenizer.model_vocab_size`).
+  """
+  tok = load_hf_tokenizer(path) if os.path.isdir(path) else load_gguf_tokenizer(path)
+  return dataclasses.replace(tok, model_vocab_size=model_vocab_size)

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pope_jax import encodings, positions
+from pope_jax import checks, encodings, positions
 
 Array = jax.Array
 
@@ -63,19 +63,25 @@ def dot_product_attention_reference(
     mask: None or bool broadcastable to [B, T, S] (True = visible).
 
   Returns:
-    [B, T, N, V] float32. Rows with no visible key are zero.
+    [B, T, N, V] float32. Rows with no visible key are zero. A key that no query sees (e.g. an
+    unwritten KV-cache slot) never affects the output, whatever its key and value hold (NaN,
+    inf): scores are replaced, not offset, and such values are zeroed (0 · NaN would be NaN). A
+    key hidden from some queries only adds 0 · value to them, as in plain softmax attention.
   """
   _check_qkv(q, k, v)
   b, t, n, _ = q.shape
   kh = k.shape[2]
   qg = q.astype(jnp.float32).reshape(b, t, kh, n // kh, q.shape[-1])
   logits = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32)) * scale
+  vf = v.astype(jnp.float32)
   if mask is None:
     probs = jax.nn.softmax(logits, axis=-1)
   else:
-    m = jnp.broadcast_to(mask, (b, t, k.shape[1]))[:, None, None]
+    mask = jnp.broadcast_to(mask, (b, t, k.shape[1]))
+    m = mask[:, None, None]
     probs = jax.nn.softmax(jnp.where(m, logits, -1e30), axis=-1) * m
-  out = jnp.einsum("bkgts,bskv->btkgv", probs, v.astype(jnp.float32))
+    vf = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], vf, 0.0)       # [B, S, K, V]
+  out = jnp.einsum("bkgts,bskv->btkgv", probs, vf)
   return out.reshape(b, t, n, v.shape[-1])
 
 
@@ -107,6 +113,7 @@ def _check_delta(delta: Array, q: Array) -> Array:
         f"delta must have shape [num_heads, head_dim] = {tuple(q.shape[2:])}, got {delta.shape}")
   if jnp.issubdtype(delta.dtype, jnp.complexfloating):
     raise TypeError(f"delta must be real (phase in radians), got {delta.dtype}")
+  checks.check_finite(delta, "delta")
   return delta.astype(jnp.float32)
 
 
@@ -219,8 +226,10 @@ def pope_attention(
     [B, T, N, V] in the query's dtype.
 
   Raises:
-    ValueError: mismatched shapes or positions, unknown implementation. NotImplementedError: a
-    named implementation that cannot run these inputs (never a silent fallback).
+    ValueError: mismatched shapes or positions, unknown implementation; concrete δ not finite,
+    multipliers not finite and > 0, or int64 positions outside int32 (traced values are not
+    checked). NotImplementedError: a named implementation that cannot run these inputs (never a
+    silent fallback).
   """
   _check_qkv(query, key, value)
   _check_multiplier(multiplier, query)
@@ -274,7 +283,8 @@ def rope_attention(
     [B, T, N, V] in the query's dtype.
 
   Raises:
-    ValueError: mismatched shapes, odd head dim, bad local_window or unknown implementation.
+    ValueError: mismatched shapes, odd head dim, bad local_window or unknown implementation;
+    concrete multipliers not finite and > 0, or int64 positions outside int32.
     NotImplementedError: a named implementation that cannot run these inputs, saying why.
   """
   _check_qkv(query, key, value)

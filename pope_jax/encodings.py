@@ -21,7 +21,8 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from pope_jax import checks
 
 Array = jax.Array
 
@@ -96,13 +97,10 @@ def scale_frequencies(freqs: Array, multiplier: Array | float | None) -> Array:
 
 
 def check_finite_multipliers(multipliers, name: str) -> None:
-  """Raises ValueError naming `name` if concrete `multipliers` (None, a number or an array)
-  hold a NaN or an infinity (e.g. 1/s of a scale s = 0); traced values are not checked."""
-  if multipliers is None or isinstance(multipliers, jax.core.Tracer):
-    return
-  values = np.asarray(multipliers, np.float64)
-  if not np.all(np.isfinite(values)):
-    raise ValueError(f"{name} must be finite, got {values.tolist()}")
+  """Raises ValueError naming `name` unless concrete `multipliers` (None, a number or an array)
+  are finite and > 0 (a NaN, 1/s of a scale s = 0, or 0 and -1, which would freeze or reverse
+  positions); traced values are not checked (`pope_jax.checks`)."""
+  checks.check_positive_finite(multipliers, name)
 
 
 def kv_head_multiplier(multiplier, num_heads: int, num_kv_heads: int):
@@ -141,10 +139,11 @@ def layer_multipliers(multipliers: Array | float | None, num_layers: int, num_he
       Ms-PoE). A multiplier of 1/s interpolates positions by s.
 
   Raises:
-    ValueError: on any other shape.
+    ValueError: on any other shape, or concrete multipliers that are not finite and > 0.
   """
   if multipliers is None:
     return None
+  check_finite_multipliers(multipliers, "rope_multipliers")
   m = jnp.asarray(multipliers, jnp.float32)
   if m.ndim == 0:
     return jnp.broadcast_to(m, (num_layers, num_heads))

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pope_jax import checks
+
 Array = jax.Array
 
 
@@ -28,11 +30,41 @@ def default_positions(q_len: int, k_len: int) -> tuple[np.ndarray, np.ndarray]:
   return k_pos[k_len - q_len:] if q_len <= k_len else np.arange(q_len, dtype=np.int32), k_pos
 
 
-def as_positions(positions, *, keep_numpy: bool = False) -> Array | np.ndarray:
+def check_int32_range(positions, name: str = "positions") -> None:
+  """Raises ValueError naming `name` if concrete integer positions lie outside int32.
+
+  Positions are int32 inside every attention path; a wider integer array (int64, uint32) with a
+  value outside [-2**31, 2**31) would wrap silently when converted. Negative positions are
+  allowed (they are ordinary relative offsets). Traced positions are not checked (they are int32
+  already unless x64 is on)."""
+  if isinstance(positions, jax.core.Tracer):
+    return
+  dtype = positions.dtype if isinstance(positions, (jax.Array, np.ndarray)) else None
+  if dtype is not None and (not np.issubdtype(dtype, np.integer)
+                            or np.can_cast(dtype, np.int32)):
+    return  # Fits by its dtype; float positions are refused by `check_positions`.
+  values = checks.concrete(positions)
+  if values is None or values.dtype == object or not np.issubdtype(values.dtype, np.integer):
+    return
+  info = np.iinfo(np.int32)
+  outside = (values < info.min) | (values > info.max)
+  if np.any(outside):
+    index = tuple(int(i) for i in np.argwhere(outside)[0])
+    raise ValueError(f"{name} must lie inside int32 [{info.min}, {info.max}], got "
+                     f"{int(values[index])} at index {index}")
+
+
+def as_positions(positions, *, keep_numpy: bool = False, name: str = "positions"
+                 ) -> Array | np.ndarray:
   """Positions as an array: jax arrays (traced or not) as they are; numpy arrays and sequences
   of ints as numpy with `keep_numpy` (concrete under jit, so the fused kernel derives its
   position tables at trace time), else as jax arrays (computed inside the caller's jit, so XLA
-  paths do not fold e.g. a [T, S] causal mask into the program as a constant)."""
+  paths do not fold e.g. a [T, S] causal mask into the program as a constant).
+
+  Raises:
+    ValueError: concrete positions outside int32 (`check_int32_range`), naming `name`.
+  """
+  check_int32_range(positions, name)
   if not isinstance(positions, (jax.Array, np.ndarray)):
     try:
       positions = np.asarray(positions)
@@ -88,11 +120,14 @@ def resolve(batch: int, q_len: int, k_len: int, q_positions, k_positions, key_ma
     (q_positions, k_positions, key_mask).
 
   Raises:
-    ValueError: positions or key_mask of the wrong shape. TypeError: non-integer positions.
+    ValueError: positions or key_mask of the wrong shape, concrete positions outside int32.
+    TypeError: non-integer positions.
   """
   dq, dk = default_positions(q_len, k_len)
-  q_pos = as_positions(dq if q_positions is None else q_positions, keep_numpy=keep_numpy)
-  k_pos = as_positions(dk if k_positions is None else k_positions, keep_numpy=keep_numpy)
+  q_pos = as_positions(dq if q_positions is None else q_positions, keep_numpy=keep_numpy,
+                       name="q_positions")
+  k_pos = as_positions(dk if k_positions is None else k_positions, keep_numpy=keep_numpy,
+                       name="k_positions")
   check_positions(q_pos, k_pos, batch, q_len, k_len)
   return q_pos, k_pos, check_key_mask(key_mask, batch, k_len)
 
