@@ -68,7 +68,7 @@ def comma_list(item, what: str):
   def parse(value: str) -> tuple:
     try:
       return tuple(item(v.strip()) for v in value.split(","))
-    except argparse.ArgumentTypeError:
+    except (argparse.ArgumentTypeError, ValueError):
       raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {value!r}") from None
   parse.__name__ = f"comma-separated {what}"
   return parse
