@@ -1,6 +1,6 @@
 """Lost-in-the-middle evaluation of a Llama-family model: accuracy per gold position.
 
-    python -m experiments.lpes_eval --model PATH --task kv|mdqa \
+    python -m experiments.lpes_eval --model PATH --task kv|mdqa \\
         --method base|pi|ms_poe|buckets|lpes [--scales results.json] [--num-examples 500]
 
 Held-out KV examples come from `--seed` (default 1; the search uses seed 0); MDQA examples from

@@ -1,6 +1,7 @@
 """Generation latency of base vs LPES vs PI vs Ms-PoE vs Attention Buckets on one Llama model.
 
-    python -m experiments.lpes_latency --preset llama-7b-shape [--model PATH] --methods base,lpes,ms_poe
+    python -m experiments.lpes_latency --preset llama-7b-shape [--model PATH] \\
+        [--methods base,lpes,ms_poe]
 
 A random-weight model of a named shape (or a real checkpoint with --model) greedily generates
 `--new-tokens` tokens after a `--prompt-len` prompt for `--batch` rows. Each method is compiled

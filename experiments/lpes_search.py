@@ -1,6 +1,6 @@
 """LPES search: Bézier-constrained genetic search of per-layer RoPE scales on a Llama model.
 
-    python -m experiments.lpes_search --model PATH --task kv --num-pairs 10 --key-length 4 \
+    python -m experiments.lpes_search --model PATH --task kv --num-pairs 10 --key-length 4 \\
         --value-length 4 [--num-examples 200] [--mode teacher_forced|greedy] [--resume]
 
 Search examples (seed `--seed`, default 0; evaluation uses 1) are split over the begin/middle/end
