@@ -2,6 +2,17 @@
 place they are listed). Each parses flags, builds a config from a preset plus overrides, calls the
 library (`pope_jax`, `lpes_jax`, `pallas_kernels`) and writes its results; none imports another.
 
+One convention (`experiments.common`):
+- `--seed INT` where a command runs one seed (per model); `--seeds 0,1,2` (comma-separated ints)
+  where it trains several seeds side by side in one program (`indirect_indexing`).
+- Every flag is checked before any work starts (no model loads, no step runs): a bad value is a
+  usage error (exit status 2) that names the flag.
+- `--out` is the run folder, locked while the run writes it (`pope_jax.run_lock`): a second run
+  on it refuses at start and names the holder; `--resume` locks too and takes over the lock of a
+  killed run with a warning. `indirect_indexing` locks OUT/<encoding>, so encodings may run in
+  separate processes on one --out.
+- `--help` shows `python -m experiments.NAME`, each flag's default and the presets.
+
 PoPE (`pope_jax`):
   language_model       — train RoPE and PoPE Transformers on real text; validation perplexity.
   length_extrapolation — zero-shot perplexity vs evaluation context length (PoPE Figure 2).

@@ -1,8 +1,8 @@
 """Prefill and decode throughput of lpes_jax Llama models, side by side with PyTorch+transformers.
 
-    python -m experiments.bench_llama --suite cpu --out results_cpu.json     # real SmolLM2 GGUF
-    python -m experiments.bench_llama --suite gpu --out results_gpu.json     # H200: SmolLM2-shaped
-                                                                            # and 7B-shaped, bf16
+    python -m experiments.bench_llama                # gpu suite on a GPU, else cpu
+    python -m experiments.bench_llama --suite cpu    # real SmolLM2 GGUF, runs/bench_llama/cpu.json
+    python -m experiments.bench_llama --suite gpu    # H200: SmolLM2-shaped and 7B-shaped, bf16
 
 Prefill: one forward over [B, T] tokens, logits of the last position only (transformers:
 `logits_to_keep=1`, no cache). Decode: greedy generation of G tokens after a P-token prompt with a
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import time
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import common
 from lpes_jax.config import LlamaConfig
 from lpes_jax.generate import greedy_decode
 from lpes_jax.llama import Llama, init_kv_cache, init_params
@@ -154,13 +156,27 @@ def run_case(name: str, config: LlamaConfig, params, *, torch_device: str | None
   return result
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--suite", choices=("cpu", "gpu"), required=True)
-  parser.add_argument("--out", required=True)
-  parser.add_argument("--reps", type=int, default=3)
-  parser.add_argument("--skip-7b", action="store_true")
-  args = parser.parse_args()
+SUITES = {"cpu": "the real SmolLM2-135M GGUF in float32, lpes_jax's xla attention",
+          "gpu": "SmolLM2-135M-shaped and Llama-7B-shaped random weights in bfloat16"}
+
+
+def main(argv=None) -> None:
+  parser = common.make_parser("bench_llama", __doc__, SUITES)
+  parser.add_argument("--suite", choices=tuple(SUITES),
+                      help="cases to run, see suites below (default: gpu on a GPU, else cpu)")
+  parser.add_argument("--out", help="results JSON file (default: runs/bench_llama/SUITE.json)")
+  parser.add_argument("--reps", type=common.positive_int, default=3,
+                      help="timed runs per measurement after the warm-up (median reported)")
+  parser.add_argument("--skip-7b", action="store_true", help="gpu suite: leave out the 7B shape")
+  args = parser.parse_args(argv)
+  args.suite = args.suite or ("gpu" if jax.default_backend() == "gpu" else "cpu")
+  args.out = args.out or f"runs/bench_llama/{args.suite}.json"
+  if os.path.isdir(args.out):
+    parser.error(f"--out {args.out} is a folder; give a .json file")
+  try:
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+  except OSError as e:
+    parser.error(f"--out {args.out}: cannot create its folder ({e})")
   torch_ok = _torch_available()
   results = {"suite": args.suite, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
              "jax": jax.__version__, "devices": [str(d) for d in jax.devices()],

@@ -17,18 +17,24 @@ import argparse
 
 from experiments import common
 from pope_jax.tasks import frequency_usage as task
+from pope_jax.tasks import language_model as lm
 
 
 def main(argv: list[str] | None = None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = common.make_parser("frequency_usage", __doc__, common.lm_presets_help(lm.PRESETS))
   common.add_lm_flags(parser, "runs/language_model")
-  parser.add_argument("--max-windows", type=int, help="validation windows to average over")
+  parser.add_argument("--max-windows", type=common.positive_int,
+                      help="validation windows to average over (default: the preset's)")
   args = parser.parse_args(argv)
-  with common.usage_errors(parser):
-    return task.run(common.resolve_lm_preset(args), args.out, preset_name=args.preset,
+  try:
+    preset = common.resolve_lm_preset(args)
+  except ValueError as e:  # A config that refuses a flag's value: a usage error.
+    parser.error(str(e))
+  with common.locked(parser, args.out), common.usage_errors(parser):
+    return task.run(preset, args.out, preset_name=args.preset,
                     max_windows=args.max_windows or task.MAX_WINDOWS[args.preset],
                     resume=args.resume, progress=not args.no_progress, data_dir=args.data_dir,
-                    splits=common.parse_splits(args.splits))
+                    splits=args.splits)
 
 
 if __name__ == "__main__":

@@ -23,41 +23,42 @@ from pope_jax.tasks import indirect_indexing as ii
 
 
 def main(argv: list[str] | None = None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--preset", choices=sorted(ii.PRESETS), default="cpu")
+  parser = common.make_parser("indirect_indexing", __doc__,
+                              {k: p.description for k, p in ii.PRESETS.items()})
+  parser.add_argument("--preset", choices=sorted(ii.PRESETS), default="cpu",
+                      help="configuration to run (see presets below)")
   parser.add_argument("--encodings", default="rope,pope",
                       help="comma-separated subset of rope,pope,none")
-  parser.add_argument("--seeds", default="0", help="comma-separated seeds")
-  parser.add_argument("--steps", type=int, help="override the preset's optimiser steps")
-  parser.add_argument("--batch-size", type=int, help="override the preset's batch size")
-  parser.add_argument("--steps-per-call", type=int, help="steps fused into one jitted call")
-  parser.add_argument("--data-workers", type=int, help="grain worker processes")
-  parser.add_argument("--dtype", help="override the compute dtype: float32 or bfloat16 (or an "
-                                      "alias such as bf16); params stay float32")
+  parser.add_argument("--seeds", type=common.comma_list(common.nonnegative_int,
+                                                          "non-negative integers"), default="0",
+                      help="comma-separated seeds, trained side by side (vmapped)")
+  parser.add_argument("--steps", type=common.positive_int,
+                      help="optimiser steps (default: the preset's)")
+  parser.add_argument("--batch-size", type=common.positive_int,
+                      help="examples per step (default: the preset's)")
+  parser.add_argument("--steps-per-call", type=common.positive_int,
+                      help="steps fused into one jitted call (default: the preset's)")
+  parser.add_argument("--data-workers", type=common.nonnegative_int,
+                      help="grain worker processes, 0 = in this process (default: the preset's)")
+  parser.add_argument("--dtype", help="compute dtype: float32 or bfloat16 (or an alias such as "
+                                      "bf16); params stay float32 (default: the preset's)")
   common.add_init_std_flag(parser)
   parser.add_argument("--attention-implementation", choices=["xla", "pallas"],
                       help="PoPE attention implementation (default: best available)")
-  parser.add_argument("--out", type=Path, default=Path("runs/indirect_indexing"))
+  parser.add_argument("--out", type=Path, default=Path("runs/indirect_indexing"),
+                      help="run folder: one subfolder per encoding, results")
   parser.add_argument("--resume", action="store_true",
                       help="continue runs from their latest checkpoint in --out")
   parser.add_argument("--summarize", action="store_true",
                       help="only collect finished runs in --out into the table and plot")
-  parser.add_argument("--no-progress", action="store_true")
+  parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
   args = parser.parse_args(argv)
 
   if not args.summarize:
-    encodings = list(dict.fromkeys(e.strip() for e in args.encodings.split(",") if e.strip()))
-    if not encodings:
-      parser.error("--encodings: name at least one of rope, pope, none")
-    for enc in encodings:
-      if enc not in ii.ENCODINGS:
-        parser.error(f"--encodings: unknown encoding {enc!r} (choose from rope, pope, none)")
-    try:
-      seeds = [int(s) for s in args.seeds.split(",")]
-    except ValueError:
-      parser.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
-    if min(seeds) < 0 or len(set(seeds)) != len(seeds):
-      parser.error(f"--seeds: expected distinct non-negative integers, got {args.seeds!r}")
+    encodings = common.encodings_list(parser, args.encodings, ii.ENCODINGS)
+    seeds = list(args.seeds)
+    if len(set(seeds)) != len(seeds):
+      parser.error(f"--seeds: expected distinct non-negative integers, got {seeds}")
     preset = ii.PRESETS[args.preset]
     try:  # Configs validate themselves: report their ValueErrors as usage errors.
       overrides = {k: v for k, v in {
@@ -75,11 +76,13 @@ def main(argv: list[str] | None = None) -> dict:
       preset = dataclasses.replace(preset, model=model)
     except ValueError as e:
       parser.error(str(e))
+    # Each encoding's folder is locked (not OUT), so encodings can run in separate processes.
     try:
-      with common.usage_errors(parser):
+      with common.locked(parser, *(args.out / enc for enc in encodings)), \
+          common.usage_errors(parser):
         for enc in encodings:
           for r in ii.run_encoding(preset, enc, seeds, args.out, resume=args.resume,
-                                progress=not args.no_progress):
+                                   progress=not args.no_progress, lock=False):
             print(f"{enc} seed {r['seed']}: test accuracy {100 * r['test_accuracy']:.2f} %",
                   flush=True)
     except KeyboardInterrupt:

@@ -25,25 +25,35 @@ from pope_jax.tasks import jsb as task
 
 
 def main(argv: list[str] | None = None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--preset", choices=sorted(task.PRESETS), default="cpu")
-  parser.add_argument("--encodings", default="rope,pope")
-  parser.add_argument("--steps", type=int, help="override the preset's optimiser steps")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--transpose", type=int, default=None,
-                      help="augment training with shifts -N..N semitones (0 = none)")
-  parser.add_argument("--cache-dir", type=Path, help="extracted-chorale cache folder")
-  parser.add_argument("--out", type=Path, default=Path("runs/jsb"))
+  parser = common.make_parser("jsb", __doc__, common.lm_presets_help(task.PRESETS))
+  parser.add_argument("--preset", choices=sorted(task.PRESETS), default="cpu",
+                      help="configuration to run (see presets below)")
+  parser.add_argument("--encodings", default="rope,pope", help="comma-separated rope,pope")
+  parser.add_argument("--steps", type=common.positive_int,
+                      help="optimiser steps (default: the preset's)")
+  parser.add_argument("--seed", type=common.nonnegative_int, default=0,
+                      help="seed of each model's initialisation and data order")
+  parser.add_argument("--transpose", type=common.nonnegative_int, default=None,
+                      help="augment training with shifts -N..N semitones, 0 = none "
+                           "(default: the preset's)")
+  parser.add_argument("--cache-dir", type=Path,
+                      help="extracted-chorale cache folder (default: $POPE_JAX_CACHE or "
+                           "~/.cache/pope_jax)")
+  parser.add_argument("--out", type=Path, default=Path("runs/jsb"),
+                      help="run folder: one subfolder per encoding, results")
   parser.add_argument("--resume", action="store_true",
                       help="continue unfinished runs from their checkpoints in --out")
-  parser.add_argument("--no-progress", action="store_true")
+  parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
   common.add_init_std_flag(parser)
   args = parser.parse_args(argv)
+  encodings = common.encodings_list(parser, args.encodings, ("rope", "pope"))
+  if args.cache_dir is not None and args.cache_dir.exists() and not args.cache_dir.is_dir():
+    parser.error(f"--cache-dir {args.cache_dir} is a file, not a folder")
   preset = task.PRESETS[args.preset]
-  train = dataclasses.replace(preset.train, seed=args.seed)
-  if args.steps:
-    train = common.with_steps(train, args.steps)
-  try:
+  try:  # Configs validate themselves: report their ValueErrors as usage errors.
+    train = dataclasses.replace(preset.train, seed=args.seed)
+    if args.steps:
+      train = common.with_steps(train, args.steps)
     preset = dataclasses.replace(preset, train=train,
                                  model=common.with_init_std(preset.model, args.init_std))
   except ValueError as e:
@@ -52,15 +62,13 @@ def main(argv: list[str] | None = None) -> dict:
     preset = dataclasses.replace(preset, transpositions=tuple(range(-args.transpose,
                                                                     args.transpose + 1)))
   runs = []
-  for enc in [e.strip() for e in args.encodings.split(",") if e.strip()]:
-    if enc not in ("rope", "pope"):
-      raise SystemExit(f"--encodings: unknown encoding {enc!r}")
-    with common.usage_errors(parser):
+  with common.locked(parser, args.out), common.usage_errors(parser):
+    for enc in encodings:
       r = task.run_one(preset, enc, args.out, resume=args.resume, progress=not args.no_progress,
                        cache_dir=args.cache_dir)
-    print(f"{enc}: test NLL {r['test_nll']:.4f}", flush=True)
-    runs.append(r)
-  return task.summarize(args.out, runs, args.preset)
+      print(f"{enc}: test NLL {r['test_nll']:.4f}", flush=True)
+      runs.append(r)
+    return task.summarize(args.out, runs, args.preset)
 
 
 if __name__ == "__main__":

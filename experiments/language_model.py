@@ -24,24 +24,23 @@ from pope_jax.tasks import language_model as lm
 
 
 def main(argv: list[str] | None = None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = common.make_parser("language_model", __doc__, common.lm_presets_help(lm.PRESETS))
   common.add_lm_flags(parser, "runs/language_model")
   args = parser.parse_args(argv)
+  encodings = common.encodings_list(parser, args.encodings, ("rope", "pope"))
   try:
     preset = common.resolve_lm_preset(args)
   except ValueError as e:  # A config that refuses a flag's value: a usage error.
     parser.error(str(e))
   runs = []
-  for enc in [e.strip() for e in args.encodings.split(",") if e.strip()]:
-    if enc not in ("rope", "pope"):
-      raise SystemExit(f"--encodings: unknown encoding {enc!r}")
-    with common.usage_errors(parser):
+  with common.locked(parser, args.out), common.usage_errors(parser):
+    for enc in encodings:
       record, _, _ = lm.train_model(preset, enc, args.out, resume=args.resume,
                                     progress=not args.no_progress, data_dir=args.data_dir,
-                                    splits=common.parse_splits(args.splits))
-    print(f"{enc}: validation perplexity {record['valid_perplexity']:.2f}", flush=True)
-    runs.append(record)
-  return lm.summarize(args.out, runs, args.preset)
+                                    splits=args.splits)
+      print(f"{enc}: validation perplexity {record['valid_perplexity']:.2f}", flush=True)
+      runs.append(record)
+    return lm.summarize(args.out, runs, args.preset)
 
 
 if __name__ == "__main__":

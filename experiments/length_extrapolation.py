@@ -30,9 +30,11 @@ from pope_jax.tasks import length_extrapolation as task
 
 
 def main(argv: list[str] | None = None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = common.make_parser("length_extrapolation", __doc__,
+                              common.lm_presets_help(task.PRESETS))
   common.add_lm_flags(parser, "runs/language_model")
-  parser.add_argument("--eval-batch-size", type=int, help="windows per evaluation forward pass")
+  parser.add_argument("--eval-batch-size", type=common.positive_int,
+                      help="windows per evaluation forward pass (default: the preset's)")
   args = parser.parse_args(argv)
   preset = task.PRESETS[args.preset]
   args.preset = preset.lm
@@ -40,10 +42,10 @@ def main(argv: list[str] | None = None) -> dict:
     lm_preset = common.resolve_lm_preset(args)
   except ValueError as e:  # A config that refuses a flag's value: a usage error.
     parser.error(str(e))
-  with common.usage_errors(parser):
+  with common.locked(parser, args.out), common.usage_errors(parser):
     return task.run(preset, lm_preset, args.out, resume=args.resume,
                     progress=not args.no_progress, data_dir=args.data_dir,
-                    splits=common.parse_splits(args.splits), eval_batch_size=args.eval_batch_size)
+                    splits=args.splits, eval_batch_size=args.eval_batch_size)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Lost-in-the-middle evaluation of a Llama-family model: accuracy per gold position.
 
-    python -m experiments.lpes_eval --model PATH --task kv|mdqa \
+    python -m experiments.lpes_eval --model PATH --task kv|mdqa \\
         --method base|pi|ms_poe|buckets|lpes [--scales results.json] [--num-examples 500]
 
 Held-out KV examples come from `--seed` (default 1; the search uses seed 0); MDQA examples from
@@ -29,17 +29,27 @@ from pope_jax import atomic
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = common.make_parser("lpes_eval", __doc__)
   add_task_flags(p)
-  p.add_argument("--method", choices=evaluate.METHODS, default="base")
-  p.add_argument("--scales", default=None, help="results.json of an LPES search")
-  p.add_argument("--num-examples", type=int, default=500, help="held-out examples per position")
-  p.add_argument("--positions", type=lambda s: [int(x) for x in s.split(",")], default=None)
-  p.add_argument("--seed", type=int, default=1, help="held-out seed (the search uses 0)")
-  p.add_argument("--batch-size", type=int, default=16)
-  p.add_argument("--max-new-tokens", type=int, default=48,
+  p.add_argument("--method", choices=evaluate.METHODS, default="base",
+                 help="base model, position interpolation, Ms-PoE, Attention Buckets or LPES "
+                      "(needs --scales)")
+  p.add_argument("--scales", default=None,
+                 help="results.json of an LPES search (default: none; --method lpes needs it)")
+  p.add_argument("--num-examples", type=common.positive_int, default=500,
+                 help="held-out examples per position")
+  p.add_argument("--positions", type=common.comma_list(common.nonnegative_int,
+                                                        "non-negative integers"),
+                 default=None, help="comma-separated gold positions (default: 5 evenly spaced, "
+                                    "first and last included)")
+  p.add_argument("--seed", type=common.nonnegative_int, default=1,
+                 help="held-out seed (the search uses 0)")
+  p.add_argument("--batch-size", type=common.positive_int, default=16,
+                 help="examples per generation call")
+  p.add_argument("--max-new-tokens", type=common.positive_int, default=48,
                  help="tokens generated per example (a quoted UUID value takes ~27)")
-  p.add_argument("--pi-scale", type=float, default=1.5)
+  p.add_argument("--pi-scale", type=common.positive_float, default=1.5,
+                 help="position interpolation's global scale s")
   p.add_argument("--ms-poe-official", action="store_true",
                  help="Ms-PoE: index the ratio table with the argsort (released code)")
   p.add_argument("--buckets-absolute", action="store_true",
@@ -50,8 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
   p = build_parser()
   args = p.parse_args(argv)
-  if args.num_examples < 1:
-    p.error("--num-examples must be >= 1")
+  common.check_task_flags(p, args)
   if args.method == "lpes":
     if not args.scales:
       p.error("--method lpes needs --scales results.json")
@@ -59,13 +68,21 @@ def main(argv=None) -> None:
       search.load_scales(args.scales)
     except (OSError, ValueError) as e:
       p.error(f"--scales: {e}")
+  if args.task == "kv" and args.positions and max(args.positions) >= args.num_pairs:
+    p.error(f"--positions {','.join(map(str, args.positions))}: gold positions must be below "
+            f"--num-pairs {args.num_pairs}")
   task = task_config(args)
   ev = evaluate.EvalConfig(
       method=args.method, scales=args.scales, num_examples=args.num_examples,
       positions=tuple(args.positions) if args.positions else None, seed=args.seed,
       batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, pi_scale=args.pi_scale,
       ms_poe_official=args.ms_poe_official, buckets_absolute=args.buckets_absolute)
-  os.makedirs(args.out, exist_ok=True)
+  with common.locked(p, args.out):
+    evaluate_and_report(args, task, ev)
+
+
+def evaluate_and_report(args: argparse.Namespace, task, ev: evaluate.EvalConfig) -> None:
+  """Loads the model, evaluates every gold position and writes the reports to --out."""
   cfg, params = load_checkpoint(args.model, dtype=args.dtype)
   tok = load_tokenizer(args.model)
   gen = evaluate.method_generator(cfg, params, ev)

@@ -15,37 +15,51 @@ from typing import Sequence
 
 import numpy as np
 
+from experiments import common
 from lpes_jax import greedy_generate, load_pretrained, load_tokenizer
 
 
 def parse_multipliers(spec: str | None) -> np.ndarray | None:
-  """"0.5" → [], "1,0.9,0.8" → [L], or a .json file holding a number, [L] or [L, N]."""
+  """"0.5" → [], "1,0.9,0.8" → [L], or a .json file holding a number, [L] or [L, N].
+
+  Raises:
+    ValueError: not numbers, or not all finite and > 0.
+  """
   if spec is None:
     return None
   try:
     if spec.endswith(".json"):
       with open(spec) as fh:
-        return np.asarray(json.load(fh), np.float32)
-    values = [float(v) for v in spec.split(",")]
+        values = np.asarray(json.load(fh), np.float32)
+    else:
+      values = np.asarray([float(v) for v in spec.split(",")], np.float32)
   except (OSError, ValueError, TypeError) as e:
     raise ValueError(f"--rope-multipliers {spec!r}: expected a number, a comma-separated list or "
                      f"a .json file of numbers ({e})") from None
-  return np.asarray(values[0] if len(values) == 1 else values, np.float32)
+  if values.size == 0 or not np.all(np.isfinite(values)) or np.any(values <= 0):
+    raise ValueError(f"--rope-multipliers {spec!r}: multipliers must be finite and > 0")
+  return values.reshape(()) if values.size == 1 and not spec.endswith(".json") else values
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description="Greedy generation with a Llama-family model.")
-  parser.add_argument("--model", required=True, help="Hugging Face folder or .gguf file")
+  parser = common.make_parser("lpes_generate", __doc__)
+  parser.add_argument("--model", required=True, type=common.existing_path,
+                      help="Hugging Face folder or .gguf file")
   parser.add_argument("--prompt", required=True, action="append",
                       help="prompt text (repeat for a batch)")
-  parser.add_argument("--max-new-tokens", type=int, default=32)
+  parser.add_argument("--max-new-tokens", type=common.positive_int, default=32,
+                      help="tokens generated per prompt at most (stops at EOS)")
   parser.add_argument("--rope-multipliers", default=None,
-                      help="scalar, comma-separated per-layer list, or a .json file "
-                           "([L] or [L, N])")
+                      help="RoPE frequency multipliers (1/scale): a scalar, a comma-separated "
+                           "per-layer list, or a .json file ([L] or [L, N]) (default: 1, none)")
   parser.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                      help="weights and compute dtype")
   args = parser.parse_args(argv)
-  multipliers = parse_multipliers(args.rope_multipliers)  # Bad input fails before the slow load.
+  try:  # Bad input fails before the slow load.
+    multipliers = parse_multipliers(args.rope_multipliers)
+  except ValueError as e:
+    parser.error(str(e))
   _, params, config = load_pretrained(args.model, dtype=args.dtype)
   tok = load_tokenizer(args.model)
   prompts = [tok.encode_chat([{"role": "user", "content": p}]) if args.chat else tok.encode(p)

@@ -1,6 +1,7 @@
 """Generation latency of base vs LPES vs PI vs Ms-PoE vs Attention Buckets on one Llama model.
 
-    python -m experiments.lpes_latency --preset llama-7b-shape [--model PATH] --methods base,lpes,ms_poe
+    python -m experiments.lpes_latency --preset llama-7b-shape [--model PATH] \\
+        [--methods base,lpes,ms_poe]
 
 A random-weight model of a named shape (or a real checkpoint with --model) greedily generates
 `--new-tokens` tokens after a `--prompt-len` prompt for `--batch` rows. Each method is compiled
@@ -35,21 +36,44 @@ PRESETS = {
 }
 
 
+PRESET_HELP = {name: f"random weights, {p['num_layers']} layers x {p['hidden_size']}, "
+                     f"{p['num_heads']} heads ({p['num_kv_heads']} kv), vocab {p['vocab_size']}"
+               for name, p in PRESETS.items()}
+METHODS = ("base", "lpes", "pi", "ms_poe", "buckets")
+
+
 def main(argv=None) -> None:
-  p = argparse.ArgumentParser(description=__doc__)
-  p.add_argument("--preset", choices=tuple(PRESETS), default="llama-7b-shape")
-  p.add_argument("--model", default=None, help="real checkpoint instead of random weights")
-  p.add_argument("--dtype", default="bfloat16")
-  p.add_argument("--methods", default="base,lpes,pi,ms_poe,buckets")
-  p.add_argument("--batch", type=int, default=1)
-  p.add_argument("--prompt-len", type=int, default=2048)
-  p.add_argument("--new-tokens", type=int, default=32)
-  p.add_argument("--repeats", type=int, default=5)
+  p = common.make_parser("lpes_latency", __doc__, PRESET_HELP)
+  p.add_argument("--preset", choices=tuple(PRESETS), default="llama-7b-shape",
+                 help="model shape with random weights (see presets below)")
+  p.add_argument("--model", default=None, type=common.existing_path,
+                 help="real checkpoint instead of random weights (default: none, the preset)")
+  p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
+                 help="weights and compute dtype")
+  p.add_argument("--methods", default=",".join(METHODS),
+                 help=f"comma-separated methods to time, of {', '.join(METHODS)}")
+  p.add_argument("--batch", type=common.positive_int, default=1, help="rows per generation")
+  p.add_argument("--prompt-len", type=common.positive_int, default=2048,
+                 help="prompt tokens per row")
+  p.add_argument("--new-tokens", type=common.positive_int, default=32,
+                 help="tokens generated per row")
+  p.add_argument("--repeats", type=common.positive_int, default=5,
+                 help="timed calls per method after the first (median reported)")
   p.add_argument("--attention", default="auto", choices=("auto", "xla", "cudnn"),
-                 help="Llama attention implementation; auto picks cuDNN where it runs, else xla "
-                      "(default: %(default)s)")
-  p.add_argument("--out", default="runs/lpes_latency")
+                 help="Llama attention implementation; auto picks cuDNN where it runs, else xla")
+  p.add_argument("--out", default="runs/lpes_latency",
+                 help="run folder for latency.json and latency.png")
   args = p.parse_args(argv)
+  methods = [m.strip() for m in args.methods.split(",")]
+  for m in methods:
+    if m not in METHODS:
+      p.error(f"--methods: unknown method {m!r} (choose from {', '.join(METHODS)})")
+  with common.locked(p, args.out):
+    time_methods(args, methods)
+
+
+def time_methods(args: argparse.Namespace, methods: list[str]) -> None:
+  """Builds the model, times each method and writes OUT/latency.{json,png}."""
   attention = None if args.attention == "auto" else args.attention
   if args.model:
     from lpes_jax.checkpoints import load_checkpoint
@@ -77,7 +101,7 @@ def main(argv=None) -> None:
           cfg, baselines.bucket_bases(cfg.rope_theta), p, t, m, n)),
   }
   results = {}
-  for name in args.methods.split(","):
+  for name in methods:
     extra = (curve,) if name == "lpes" else ()
     t0 = time.perf_counter()
     jax.block_until_ready(fns[name](params, tokens, mask, *extra))

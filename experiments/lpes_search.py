@@ -1,6 +1,6 @@
 """LPES search: Bézier-constrained genetic search of per-layer RoPE scales on a Llama model.
 
-    python -m experiments.lpes_search --model PATH --task kv --num-pairs 10 --key-length 4 \
+    python -m experiments.lpes_search --model PATH --task kv --num-pairs 10 --key-length 4 \\
         --value-length 4 [--num-examples 200] [--mode teacher_forced|greedy] [--resume]
 
 Search examples (seed `--seed`, default 0; evaluation uses 1) are split over the begin/middle/end
@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import jax
 import numpy as np
 
+from experiments import common
 from lpes_jax import bezier, evaluate, fitness, report, search
 from lpes_jax.checkpoints import load_checkpoint
 from lpes_jax.tasks.task import ANSWER_PREFIX, add_task_flags, task_config
@@ -54,52 +56,90 @@ def fitness_id(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = common.make_parser("lpes_search", __doc__)
   add_task_flags(p)
-  p.add_argument("--num-examples", type=int, default=200, help="search examples (all subsets)")
-  p.add_argument("--seed", type=int, default=0, help="search-set seed and GA seed")
-  p.add_argument("--mode", choices=fitness.FITNESS_MODES, default="teacher_forced")
-  p.add_argument("--answer-prefix", default=None, help="target prefix (KV ' \"', MDQA ' ')")
-  p.add_argument("--population", type=int, default=32)
-  p.add_argument("--generations", type=int, default=12)
-  p.add_argument("--parents", type=int, default=None,
+  p.add_argument("--num-examples", type=common.positive_int, default=200,
+                 help="search examples (all subsets)")
+  p.add_argument("--seed", type=common.nonnegative_int, default=0,
+                 help="search-set seed and GA seed")
+  p.add_argument("--mode", choices=fitness.FITNESS_MODES, default="teacher_forced",
+                 help="teacher_forced: one forward per candidate; greedy: decode the answer")
+  p.add_argument("--answer-prefix", default=None,
+                 help="target prefix (default: ' \"' for KV, ' ' for MDQA)")
+  p.add_argument("--population", type=common.positive_int, default=32,
+                 help="individuals per generation")
+  p.add_argument("--generations", type=common.positive_int, default=12,
+                 help="generations, the initial population included")
+  p.add_argument("--parents", type=common.nonnegative_int, default=None,
                  help="best individuals kept per generation (default: half the population)")
-  p.add_argument("--mutations", type=int, default=None,
+  p.add_argument("--mutations", type=common.nonnegative_int, default=None,
                  help="children by mutation (default: half of the rest)")
-  p.add_argument("--crossovers", type=int, default=None,
+  p.add_argument("--crossovers", type=common.nonnegative_int, default=None,
                  help="children by crossover (default: what remains of the population)")
-  p.add_argument("--control-points", type=int, default=4)
-  p.add_argument("--grid", type=lambda s: tuple(float(x) for x in s.split(",")),
-                 default=bezier.DEFAULT_GRID)
-  p.add_argument("--weights", type=lambda s: tuple(float(x) for x in s.split(",")),
-                 default=(1 / 3, 1 / 3, 1 / 3))
-  p.add_argument("--example-batch", type=int, default=8, help="examples per forward per device")
+  p.add_argument("--control-points", type=common.positive_int, default=4,
+                 help="Bézier control points of the scale curve, at least 2 (4: cubic)")
+  p.add_argument("--grid", type=common.comma_list(float, "numbers"),
+                 default=",".join(map(repr, bezier.DEFAULT_GRID)),
+                 help="candidate scale values, comma-separated, strictly increasing, > 0")
+  p.add_argument("--weights", type=common.comma_list(float, "numbers"),
+                 default=(1 / 3, 1 / 3, 1 / 3),
+                 help=f"fitness weights of the {', '.join(fitness.SUBSETS)} subsets, "
+                      f"comma-separated (default: 1/3 each)")
+  p.add_argument("--example-batch", type=common.positive_int, default=8,
+                 help="examples per forward per device")
   p.add_argument("--resume", action="store_true", help="continue the state in --out")
   return p
 
 
-def main(argv=None) -> None:
-  p = build_parser()
-  args = p.parse_args(argv)
+def check_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> search.SearchConfig:
+  """Every usage error of the flags, before any work; returns the GA settings."""
+  common.check_task_flags(p, args)
   if args.answer_prefix is None:
     args.answer_prefix = ANSWER_PREFIX[args.task]
   if args.num_examples < len(fitness.SUBSETS):
     p.error(f"--num-examples {args.num_examples}: the search needs at least one example per "
             f"subset ({', '.join(fitness.SUBSETS)}), so at least {len(fitness.SUBSETS)}")
-  if args.example_batch < 1:
-    p.error(f"--example-batch {args.example_batch}: must be at least 1")
-  try:  # Before the slow model load; the config names its fields, the flags follow.
-    scfg = search_config(args)
+  if args.control_points < 2:
+    p.error(f"--control-points {args.control_points}: a curve needs at least 2")
+  try:  # The grid alone; the layer count is checked against the model once it is read.
+    bezier.BezierConfig(num_layers=args.control_points, num_control_points=args.control_points,
+                        grid=args.grid)
+  except ValueError as e:
+    p.error(f"--grid: {e}")
+  if len(args.weights) != len(fitness.SUBSETS):
+    p.error(f"--weights: give one weight per subset ({', '.join(fitness.SUBSETS)}), got "
+            f"{len(args.weights)}")
+  try:  # The config names its fields, the flags follow.
+    return search_config(args)
   except ValueError as e:
     p.error(f"{e} (flags --population, --generations, --parents, --mutations, --crossovers, "
             f"--weights)")
 
+
+def main(argv=None) -> None:
+  p = build_parser()
+  args = p.parse_args(argv)
+  scfg = check_flags(p, args)
+  with common.locked(p, args.out):
+    state = os.path.join(args.out, search.STATE_FILE)
+    if os.path.exists(state) and not args.resume:
+      p.error(f"--out {args.out} holds a search ({state}): pass --resume to continue it or use "
+              f"another folder")
+    search_and_report(p, args, scfg)
+
+
+def search_and_report(p: argparse.ArgumentParser, args: argparse.Namespace,
+                      scfg: search.SearchConfig) -> None:
+  """Loads the model, runs the search in the (locked) --out and writes its reports."""
   cfg, params = load_checkpoint(args.model, dtype=args.dtype)
   tok = load_tokenizer(args.model)
   batch = evaluate.search_batch(task_config(args), tok, cfg, num_examples=args.num_examples,
                                 seed=args.seed, answer_prefix=args.answer_prefix)
-  bez = bezier.BezierConfig(num_layers=cfg.num_layers, num_control_points=args.control_points,
-                            grid=args.grid)
+  try:
+    bez = bezier.BezierConfig(num_layers=cfg.num_layers, num_control_points=args.control_points,
+                              grid=args.grid)
+  except ValueError as e:
+    p.error(f"--control-points {args.control_points}: {e}")
   forward, greedy = fitness.llama_fitness_fns(cfg)
   population_fitness = fitness.make_fitness_fn(params, batch, mode=args.mode, forward=forward,
                                                greedy=greedy, example_batch=args.example_batch)
@@ -116,7 +156,7 @@ def main(argv=None) -> None:
   result = search.run_search(timed, bez, scfg, args.out, resume=args.resume,
                              fitness_id=fitness_id(args), extra={
       "args": vars(args), "num_devices": jax.device_count(),
-      "device": str(jax.devices()[0].device_kind)})
+      "device": str(jax.devices()[0].device_kind)}, lock=False)
   total = time.perf_counter() - t0
   n = batch.num_examples
   thr = counter["candidates"] * n / max(counter["seconds"], 1e-9)

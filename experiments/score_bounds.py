@@ -177,24 +177,23 @@ def plot(record: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = common.make_parser("score_bounds", __doc__, common.lm_presets_help(lm.PRESETS))
   common.add_lm_flags(parser, "runs/language_model")
-  parser.add_argument("--max-windows", type=int, help="validation windows to measure")
+  parser.add_argument("--max-windows", type=common.positive_int,
+                      help="validation windows to measure (default: the preset's)")
   args = parser.parse_args(argv)
-  if args.max_windows is not None and args.max_windows < 1:
-    parser.error(f"--max-windows must be at least 1, got {args.max_windows}")
-  if "pope" not in args.encodings.split(","):
+  if "pope" not in common.encodings_list(parser, args.encodings, ("rope", "pope")):
     parser.error(f"--encodings {args.encodings!r}: score_bounds measures the PoPE model")
-  if args.out.is_file():
-    parser.error(f"--out {args.out} is a file, not a folder")
-  if args.data_dir is not None and not args.data_dir.is_dir():
-    parser.error(f"--data-dir {args.data_dir} is not a folder")
   max_windows = MAX_WINDOWS[args.preset] if args.max_windows is None else args.max_windows
-  with common.usage_errors(parser):
+  try:
+    preset = common.resolve_lm_preset(args)
+  except ValueError as e:  # A config that refuses a flag's value: a usage error.
+    parser.error(str(e))
+  with common.locked(parser, args.out), common.usage_errors(parser):
     try:
-      return run(common.resolve_lm_preset(args), args.out, preset_name=args.preset,
-                 max_windows=max_windows, resume=args.resume, progress=not args.no_progress,
-                 data_dir=args.data_dir, splits=common.parse_splits(args.splits))
+      return run(preset, args.out, preset_name=args.preset, max_windows=max_windows,
+                 resume=args.resume, progress=not args.no_progress, data_dir=args.data_dir,
+                 splits=args.splits)
     except FileNotFoundError as e:
       parser.error(str(e))
 

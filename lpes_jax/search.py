@@ -24,6 +24,7 @@ Shape letters: P population, L layers, S subsets (begin, middle, end), C control
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -37,6 +38,7 @@ from lpes_jax import bezier
 from lpes_jax.fitness import SUBSETS
 from pope_jax import atomic
 from pope_jax.config import config_diff
+from pope_jax.run_lock import run_lock
 
 STATE_FILE = "search_state.json"
 RESULTS_FILE = "results.json"
@@ -81,6 +83,9 @@ class SearchConfig:
                        f"equal population_size = {self.population_size}")
     if self.num_crossovers and self.num_parents < 2:
       raise ValueError("SearchConfig.num_parents must be >= 2 for crossover")
+    if len(self.weights) != len(SUBSETS):
+      raise ValueError(f"SearchConfig.weights must give one weight per subset "
+                       f"({', '.join(SUBSETS)}), got {len(self.weights)}: {self.weights}")
     w = np.asarray(self.weights)
     if not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
       raise ValueError(f"SearchConfig.weights must be finite, >= 0 and not all 0, got "
@@ -241,7 +246,8 @@ class SearchResult:
 def run_search(subset_accuracy_fn: Callable[[np.ndarray], np.ndarray],
                bez: bezier.BezierConfig, cfg: SearchConfig, workdir: str, *,
                resume: bool = False, progress: bool = True, extra: dict | None = None,
-               fitness_id: dict | None = None, stop_after: int | None = None) -> SearchResult:
+               fitness_id: dict | None = None, stop_after: int | None = None,
+               lock: bool = True) -> SearchResult:
   """Runs (or resumes) the constrained GA, checkpointing after every generation.
 
   Args:
@@ -256,12 +262,23 @@ def run_search(subset_accuracy_fn: Callable[[np.ndarray], np.ndarray],
       examples, fitness mode): saved with the state, so that a resume against another model or
       task, whose fitness values would not compare, is refused.
     stop_after: stop after this generation index (used to test resumption).
+    lock: hold workdir's run lock (`pope_jax.run_lock`) for the whole search; False when the
+      caller already holds it (the lock is not re-entrant).
 
   Raises:
+    RunLockedError: another run is writing workdir.
     FileExistsError: a state exists and resume is False.
     ValueError: the saved state's settings (bez, cfg, fitness_id) differ; the message names the
       differing fields.
   """
+  with run_lock(workdir) if lock else contextlib.nullcontext():
+    return _search(subset_accuracy_fn, bez, cfg, workdir, resume=resume, progress=progress,
+                   extra=extra, fitness_id=fitness_id, stop_after=stop_after)
+
+
+def _search(subset_accuracy_fn, bez, cfg, workdir, *, resume, progress, extra, fitness_id,
+            stop_after) -> SearchResult:
+  """`run_search` once workdir is locked."""
   from tqdm import tqdm
 
   state_path = os.path.join(workdir, STATE_FILE)

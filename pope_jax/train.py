@@ -24,6 +24,7 @@ length, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -48,6 +49,7 @@ from tqdm.auto import tqdm
 from pope_jax import atomic
 from pope_jax.config import ModelConfig, TrainConfig, config_diff
 from pope_jax.model import Transformer
+from pope_jax.run_lock import run_lock
 
 Array = jax.Array
 Batch = Mapping[str, Array]
@@ -422,6 +424,7 @@ def train_and_evaluate(
     seeds: Sequence[int] | None = None,
     progress: bool = True,
     init_params: Any = None,
+    lock: bool = True,
 ) -> list[TrainResult]:
   """Trains Transformers (one per seed, side by side) and evaluates them periodically.
 
@@ -436,11 +439,14 @@ def train_and_evaluate(
     progress: show a tqdm bar.
     init_params: start every seed from these parameters (one model's tree; fine-tuning) instead
       of a fresh init; a resumed checkpoint takes precedence.
+    lock: hold workdir's run lock (`pope_jax.run_lock`, process 0) for the whole call; False when
+      the caller already holds it (the lock is not re-entrant).
 
   Returns:
     One TrainResult per seed, in order.
 
   Raises:
+    RunLockedError: another run is writing workdir.
     ValueError: batch size not divisible by the device count, or an unreadable checkpoint.
     FileExistsError / FileNotFoundError / NotADirectoryError: see `checkpoint_manager`.
   """
@@ -449,6 +455,14 @@ def train_and_evaluate(
   if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
     raise ValueError(f"seeds must be distinct, non-negative and non-empty, got {seeds}")
   workdir = Path(workdir)
+  with (run_lock(workdir) if lock and jax.process_index() == 0 else contextlib.nullcontext()):
+    return _train_and_evaluate(model_config, cfg, train_source, eval_sources, workdir, resume,
+                               seeds, progress, init_params)
+
+
+def _train_and_evaluate(model_config, cfg, train_source, eval_sources, workdir, resume, seeds,
+                        progress, init_params) -> list[TrainResult]:
+  """`train_and_evaluate` once the seeds are checked and workdir is locked."""
   workdir.mkdir(parents=True, exist_ok=True)
   devices = jax.devices()
   if cfg.batch_size % len(devices):

@@ -53,15 +53,21 @@ class TaskConfig:
 def add_task_flags(p: argparse.ArgumentParser) -> None:
   """The flags shared by the LPES search and evaluation CLIs (model, task, dtype, output)."""
   p.add_argument("--model", required=True, help="GGUF file or Hugging Face folder")
-  p.add_argument("--task", choices=TASKS, default="kv")
+  p.add_argument("--task", choices=TASKS, default="kv",
+                 help="kv: key-value retrieval; mdqa: multi-document QA (needs --mdqa-file)")
   p.add_argument("--num-pairs", type=int, default=140, help="KV records per prompt")
-  p.add_argument("--key-length", type=int, default=None, help="KV key length (default UUID)")
-  p.add_argument("--value-length", type=int, default=None, help="KV value length (default UUID)")
-  p.add_argument("--alphabet", default="0123456789abcdef")
-  p.add_argument("--mdqa-file", default=None, help="LitM multi-document QA .jsonl(.gz)")
+  p.add_argument("--key-length", type=int, default=None,
+                 help="KV key length in characters (default: UUID4 keys)")
+  p.add_argument("--value-length", type=int, default=None,
+                 help="KV value length in characters (default: UUID4 values)")
+  p.add_argument("--alphabet", default="0123456789abcdef",
+                 help="characters of short KV keys and values")
+  p.add_argument("--mdqa-file", default=None,
+                 help="LitM multi-document QA .jsonl(.gz) (default: none; --task mdqa needs it)")
   p.add_argument("--chat", action="store_true", help="wrap prompts in the model's chat template")
-  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-  p.add_argument("--out", default="runs/lpes")
+  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                 help="model weights and compute dtype")
+  p.add_argument("--out", default="runs/lpes", help="run folder for the results")
 
 
 def task_config(args: argparse.Namespace) -> TaskConfig:

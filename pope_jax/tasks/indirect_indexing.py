@@ -7,6 +7,7 @@ the task is about (find the letter, then move), so accuracy is also reported per
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -22,6 +23,7 @@ from pope_jax import reporting
 from pope_jax.config import MODEL_PRESETS, ModelConfig, TrainConfig
 from pope_jax.data import indirect_indexing as task
 from pope_jax.model import Transformer, num_params
+from pope_jax.run_lock import run_lock
 from pope_jax.train import (RESULT_NEUTRAL_FIELDS, ResumeError, config_diff, has_checkpoints,
                             train_and_evaluate)
 
@@ -106,15 +108,28 @@ def _shift_split(by_shift: dict[str, float]) -> tuple[float, float]:
 
 
 def run_encoding(preset: Preset, encoding: str, seeds: list[int], out: Path, *, resume: bool,
-                 progress: bool = True) -> list[dict]:
+                 progress: bool = True, lock: bool = True) -> list[dict]:
   """Trains all seeds of one encoding side by side (vmapped) in OUT/<encoding>/.
+
+  Args:
+    lock: hold OUT/<encoding>'s run lock (`pope_jax.run_lock`) for the whole call; False when the
+      caller already holds it. Encodings lock separately, so each can run in its own process.
 
   Returns one result dict per seed (also written to OUT/<encoding>/result.json).
 
   Raises:
+    RunLockedError: another run is writing OUT/<encoding>.
     ResumeError: resume=True and OUT/<encoding> holds a finished run with other settings.
     NotADirectoryError: OUT/<encoding>/checkpoints is a file.
   """
+  locked = run_lock(out / encoding) if lock and jax.process_index() == 0 else None
+  with locked or contextlib.nullcontext():
+    return _run_encoding(preset, encoding, seeds, out, resume=resume, progress=progress)
+
+
+def _run_encoding(preset: Preset, encoding: str, seeds: list[int], out: Path, *, resume: bool,
+                  progress: bool) -> list[dict]:
+  """`run_encoding` once OUT/<encoding> is locked."""
   workdir = out / encoding
   result_file = workdir / "result.json"
   model_cfg = dataclasses.replace(preset.model, pos_encoding=encoding)
@@ -136,7 +151,7 @@ def run_encoding(preset: Preset, encoding: str, seeds: list[int], out: Path, *, 
   results = train_and_evaluate(
       model_cfg, preset.train, train_source=sources["train"],
       eval_sources={"validation": sources["validation"], "test": sources["test"]},
-      workdir=workdir, resume=resume, seeds=seeds, progress=progress)
+      workdir=workdir, resume=resume, seeds=seeds, progress=progress, lock=False)
   runs = [{"encoding": encoding, "seed": r.seed, "test_accuracy": r.metrics["test"]["accuracy"],
            "validation_accuracy": r.metrics["validation"]["accuracy"],
            "test_loss": r.metrics["test"]["loss"], "steps_per_second": r.steps_per_second,

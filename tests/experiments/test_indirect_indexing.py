@@ -74,14 +74,14 @@ def test_resume_starts_encodings_not_begun_and_refuses_other_configs(tmp_path, c
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--seeds", "0,a"], "--seeds: expected comma-separated integers, got '0,a'"),
-    (["--seeds", ""], "--seeds: expected comma-separated integers, got ''"),
+    (["--seeds", "0,a"], "--seeds: expected comma-separated non-negative integers, got '0,a'"),
+    (["--seeds", ""], "--seeds: expected comma-separated non-negative integers, got ''"),
     (["--seeds", "1,1"], "--seeds: expected distinct non-negative integers"),
     (["--steps-per-call", "7"], "TrainConfig.steps=30 must be a multiple of steps_per_call=7"),
     (["--encodings", ""], "--encodings: name at least one of rope, pope, none"),
     (["--encodings", "rope,alibi"], "--encodings: unknown encoding 'alibi'"),
-    (["--batch-size", "0"], "TrainConfig.batch_size must be positive, got 0"),
-    (["--steps", "0"], "--steps must be positive"),
+    (["--batch-size", "0"], "--batch-size: expected a positive integer, got '0'"),
+    (["--steps", "0"], "--steps: expected a positive integer, got '0'"),
     (["--init-std", "gpt2"], "--init-std: expected a float or 'flax', got 'gpt2'"),
     (["--init-std", "-1"], "ModelConfig.init_std must be None or > 0, got -1.0"),
 ])
