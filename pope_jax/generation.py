@@ -236,7 +236,7 @@ def _as_prompts(prompts) -> list[list[int]]:
   """Prompts as lists of Python ints; TypeError for text or non-integer ids."""
   if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray,
                                                                    jax.Array)):
-    raise TypeError(f"prompts must be a batch of token-id lists (e.g. [[1, 2, 3]]), got "
+    raise TypeError(f"prompts must be a batch of lists of token ids (e.g. [[1, 2, 3]]), got "
                     f"{type(prompts).__name__}; encode text with the model's tokenizer first")
   out = []
   for i, p in enumerate(prompts):
