@@ -19,6 +19,8 @@ PoPE (`pope_jax`):
   frequency_usage      — per (layer, frequency) mean q/k magnitude of RoPE and PoPE (PoPE §5).
   indirect_indexing    — train RoPE and PoPE on indirect indexing; test accuracy (PoPE §4).
   jsb                  — JSB-style Bach chorales; test NLL per token (PoPE App. A).
+  sample_text          — sample text from a trained language model (KV cache, top-k/top-p).
+  bench_decode         — decode tokens/s, KV cache against recomputing, PoPE against RoPE.
   score_bounds         — how many query tiles the fused kernel's magnitude bound covers.
 Kernel (`pallas_kernels`, GPU):
   bench_attention      — the fused Pallas PoPE attention kernel against the best XLA/cuDNN paths.

@@ -53,16 +53,22 @@ class PositionalAttention(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, *, positions: Array | None = None,
-               multiplier: Array | None = None) -> Array:
-    """Causal self-attention.
+               multiplier: Array | None = None, key_mask: Array | None = None,
+               cache: dict[str, Array] | None = None):
+    """Causal self-attention, optionally over a KV cache.
 
     Args:
       x: [B, T, D].
-      positions: [T] or [B, T] int (default arange(T)).
+      positions: [T] or [B, T] int (default arange(T)); [B, T] with a cache.
       multiplier: None, scalar or [N] frequency multiplier for RoPE/PoPE (PI, LPES).
+      key_mask: None or [B, T] bool, False for (left) padding tokens (no cache).
+      cache: None, or this layer's view of a KV cache (`pope_jax.model.init_cache`): "k", "v"
+        [B, S, K, H] raw projections of the tokens so far; "positions" [B, S] int32 and "valid"
+        [B, S] bool, already holding the T new tokens; "index" [] int32, their first slot.
 
     Returns:
-      [B, T, D] in `dtype`.
+      [B, T, D] in `dtype`; with a cache, (that, (k, v)): the cache's keys and values with the T
+      new ones written at index..index+T-1.
     """
     n, kh, h = self.num_heads, self.num_kv_heads, self.head_dim
     dtype = as_jnp_dtype(canonical_dtype(self.dtype, argument="PositionalAttention.dtype"))
@@ -70,14 +76,21 @@ class PositionalAttention(nn.Module):
         (heads, h), use_bias=False, dtype=dtype, name=name, kernel_init=self.kernel_init)
     q, k, v = dense(n, "query")(x), dense(kh, "key")(x), dense(kh, "value")(x)  # [B, T, N|K, H]
     # Default positions stay None so the attention ops can use a fused kernel's own causal mask.
-    common = dict(is_causal=True, q_positions=positions, k_positions=positions,
+    k_positions = positions
+    if cache is not None:
+      start = (0, cache["index"], 0, 0)
+      k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), start)
+      v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), start)
+      k_positions, key_mask = cache["positions"], cache["valid"]        # [B, S]
+    common = dict(is_causal=True, q_positions=positions, k_positions=k_positions,
                   multiplier=multiplier)
-    if positions is None:
-      positions = jnp.arange(x.shape[1], dtype=jnp.int32)
+    if key_mask is not None:
+      common["key_mask"] = key_mask
+    ka, va = k.astype(dtype), v.astype(dtype)
     if self.pos_encoding == "pope":
       delta = self.param("delta", lambda key, shape: encodings.init_phase_bias(
           key, shape, self.delta_init), (n, h))
-      out = attention.pope_attention(q, k, v, delta, base=self.pope_base,
+      out = attention.pope_attention(q, ka, va, delta, base=self.pope_base,
                                      implementation=self.attention_implementation, **common)
     elif self.pos_encoding == "rope":
       yarn, rope = self.rope_yarn, {}
@@ -88,14 +101,17 @@ class PositionalAttention(nn.Module):
         rope["scale"] = encodings.yarn_attention_factor(
             yarn.factor, yarn.attention_factor) ** 2 / math.sqrt(h)
       out = attention.rope_attention(
-          q, k, v, base=self.rope_base, layout=self.rope_layout, **rope, **common,
+          q, ka, va, base=self.rope_base, layout=self.rope_layout, **rope, **common,
           implementation="xla" if self.attention_implementation == "xla" else None)
     elif self.pos_encoding == "none":
-      mask = positions_lib.attention_mask(jnp.asarray(positions), jnp.asarray(positions),
-                                          is_causal=True)
+      q_pos = jnp.arange(x.shape[1], dtype=jnp.int32) if positions is None else positions
+      k_pos = q_pos if k_positions is None else k_positions
+      mask = positions_lib.attention_mask(jnp.asarray(q_pos), jnp.asarray(k_pos),
+                                          is_causal=True, k_valid=key_mask)
       out = attention.dot_product_attention_reference(
-          q, k, v, scale=h ** -0.5, mask=mask).astype(dtype)
+          q, ka, va, scale=h ** -0.5, mask=mask).astype(dtype)
     else:
       raise ValueError(f"pos_encoding must be 'rope', 'pope' or 'none', got {self.pos_encoding!r}")
-    return nn.DenseGeneral(x.shape[-1], axis=(-2, -1), use_bias=False, dtype=dtype,
-                           name="out", kernel_init=self.out_kernel_init)(out)
+    out = nn.DenseGeneral(x.shape[-1], axis=(-2, -1), use_bias=False, dtype=dtype,
+                          name="out", kernel_init=self.out_kernel_init)(out)
+    return out if cache is None else (out, (k, v))

@@ -1,12 +1,34 @@
 """Decoder-only Transformer (pre-norm RMSNorm blocks) with RoPE, PoPE or no positional encoding.
 
-Pure-functional Flax Linen: `params = model.init(key, tokens)["params"]`,
-`logits = model.apply({"params": params}, tokens)`.
+Pure-functional Flax Linen:
 
-Shape letters: B batch, T length, D model width, V vocabulary, L layers, N heads.
+    params = model.init(key, tokens)["params"]
+    logits = model.apply({"params": params}, tokens)                            # [B, T, V]
+    cache = init_cache(config, batch, max_len)
+    logits, cache = model.apply({"params": params}, tokens, attention_mask=mask, cache=cache)
+
+KV cache (`init_cache`, laid out as `lpes_jax.llama`'s): per layer the raw key and value
+projections [B, S, K, H] in the compute dtype, with each slot's position and validity. For PoPE
+the raw keys are cached, not the magnitudes softplus(k) (same size; softplus is one cheap op) nor
+the Cartesian form [μ cos(sθ), μ sin(sθ)] (twice the key memory). Decoding is bound by reading
+the cache: at GPT-2-124M and 8k tokens the keys take 12·8192·768·2 B = 151 MB per row in bf16,
+302 MB in Cartesian form, beside 151 MB of values, while rebuilding cos/sin of the S angles costs
+O(S·H) flops per step next to the O(S·H) multiply-adds of the scores. Raw keys also keep the
+cache valid for any frequency multiplier passed per call (PI, LPES), and the cached path runs
+the math of the full forward (`pope_attention` with positions and a key mask; angles in float32
+from int32 positions).
+
+Padding and positions: left padding, `attention_mask` [B, T] (True = token). With a mask or a
+cache, positions default to cumsum(mask) − 1 per row (pads get 0), continued after the tokens
+already in the cache, so a left-padded row gets the same positions as alone.
+
+Shape letters: B batch, T length, S cache length, D model width, V vocabulary, L layers,
+N heads, K kv heads, H head dim, W kept logits.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -17,6 +39,47 @@ from pope_jax.encodings import layer_multipliers
 from pope_jax.layers import PositionalAttention
 
 Array = jax.Array
+Cache = dict[str, Any]
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> Cache:
+  """An empty KV cache of `max_len` slots per row.
+
+  Args:
+    config: the model config (L, K, H).
+    batch: B.
+    max_len: S, the most tokens (prompt, padding and generated) a row will hold.
+    dtype: cache dtype (default: the compute dtype).
+
+  Returns:
+    dict: "k", "v": tuples of L arrays [B, S, K, H] (raw projections, before RoPE/PoPE);
+    "positions": [B, S] int32; "valid": [B, S] bool (False for pads and unwritten slots);
+    "index": [] int32, the number of slots written.
+  """
+  dtype = jnp.dtype(dtype or config.dtype)
+  shape = (batch, max_len, config.kv_heads, config.head_size)
+  return {
+      "k": tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+      "v": tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+      "positions": jnp.zeros((batch, max_len), jnp.int32),
+      "valid": jnp.zeros((batch, max_len), bool),
+      "index": jnp.zeros((), jnp.int32),
+  }
+
+
+def padded_positions(attention_mask: Array, offset: Array | int = 0) -> Array:
+  """Per-row positions cumsum(mask) − 1 + offset, pads clipped to the row's offset.
+
+  Args:
+    attention_mask: [B, T] bool/int, 1 for tokens (left padding).
+    offset: [] or [B] int, tokens already seen per row.
+
+  Returns:
+    [B, T] int32.
+  """
+  m = jnp.asarray(attention_mask).astype(jnp.int32)
+  pos = jnp.cumsum(m, axis=-1) - 1
+  return (jnp.maximum(pos, 0) + jnp.asarray(offset, jnp.int32).reshape(-1, 1)).astype(jnp.int32)
 
 
 def initializers(config: ModelConfig) -> tuple[nn.initializers.Initializer, ...]:
@@ -38,7 +101,8 @@ class Block(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, *, positions, multiplier, deterministic):
+  def __call__(self, x, *, positions, multiplier, deterministic, key_mask=None, cache=None):
+    """x [B, T, D] -> [B, T, D]; with a layer cache (see `PositionalAttention`), (x, (k, v))."""
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     _, kernel_init, residual_init = initializers(cfg)
@@ -49,14 +113,17 @@ class Block(nn.Module):
         delta_init=cfg.delta_init, rope_layout=cfg.rope_layout, rope_yarn=cfg.rope_yarn,
         attention_implementation=cfg.attention_implementation, dtype=dtype, name="attn",
         kernel_init=kernel_init, out_kernel_init=residual_init,
-    )(h, positions=positions, multiplier=multiplier)
+    )(h, positions=positions, multiplier=multiplier, key_mask=key_mask, cache=cache)
+    if cache is not None:
+      h, kv = h
     x = x + nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
     h = nn.RMSNorm(dtype=dtype, name="mlp_norm")(x)
     h = nn.Dense(cfg.mlp_size, use_bias=False, dtype=dtype, name="mlp_in",
                  kernel_init=kernel_init)(h)
     h = nn.Dense(cfg.d_model, use_bias=False, dtype=dtype, name="mlp_out",
                  kernel_init=residual_init)(nn.gelu(h))
-    return x + nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
+    x = x + nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
+    return x if cache is None else (x, kv)
 
 
 class Transformer(nn.Module):
@@ -65,21 +132,51 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens: Array, *, positions: Array | None = None,
+               attention_mask: Array | None = None,
                rope_multipliers: Array | float | None = None,
-               deterministic: bool = True) -> Array:
-    """Next-token logits.
+               cache: Cache | None = None, logits_to_keep: int | None = None,
+               deterministic: bool = True):
+    """Next-token logits, optionally reading and extending a KV cache.
 
     Args:
       tokens: [B, T] int32.
-      positions: [T] or [B, T] int (default arange(T)).
+      positions: [T] or [B, T] int; default arange(T), or with a mask or a cache
+        `padded_positions(attention_mask, tokens already in the cache)`.
+      attention_mask: None or [B, T] bool, False for (left) padding.
       rope_multipliers: None, [], [L] or [L, N] frequency multipliers (see `layer_multipliers`),
         applied to RoPE or PoPE frequencies; an input, not a parameter, so it can be vmapped.
+      cache: None, or a cache from `init_cache`: the T new tokens are written at slots
+        index..index+T−1 and attend to everything written before (prefill, chunks, or one token).
+      logits_to_keep: W: logits of the last W positions only; None: all T.
       deterministic: disables dropout; pass False with a "dropout" rng to train.
 
     Returns:
-      [B, T, V] logits, float32 (or the compute dtype with `logits_dtype="compute"`).
+      [B, T, V] ([B, W, V] with logits_to_keep) logits, float32 (or the compute dtype with
+      `logits_dtype="compute"`); with a cache, (logits, new cache).
+
+    Raises:
+      ValueError: tokens not [B, T]; attention_mask or [B, T]-shaped positions of another
+        shape; bad multiplier shape; more new tokens than the cache's free slots (named; checked
+        against the written slots when the cache index is concrete, else the cache length).
     """
     cfg = self.config
+    if jnp.ndim(tokens) != 2:
+      raise ValueError(f"tokens must be [batch, length], got shape {jnp.shape(tokens)} "
+                       "(add a batch axis: tokens[None])")
+    b, t = tokens.shape
+    if attention_mask is not None and jnp.shape(attention_mask) != (b, t):
+      raise ValueError(f"attention_mask must have the tokens' shape {(b, t)}, got "
+                       f"{jnp.shape(attention_mask)}")
+    key_mask, keys = None, None
+    if attention_mask is not None or cache is not None:
+      mask = jnp.ones((b, t), bool) if attention_mask is None else jnp.asarray(
+          attention_mask).astype(bool)
+      if cache is None:
+        key_mask = mask
+        positions = padded_positions(mask) if positions is None else positions
+      else:
+        keys, positions = _write_slots(cache, mask, positions, t)
+      positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (b, t))
     embed_init, kernel_init, _ = initializers(cfg)
     # dtype: the tied head (`attend`) multiplies in the compute dtype, like the untied one.
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, name="embed",
@@ -87,17 +184,53 @@ class Transformer(nn.Module):
     x = embed(tokens)                                                     # [B, T, D]
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
     mult = layer_multipliers(rope_multipliers, cfg.num_layers, cfg.num_heads)
+    new_k, new_v = [], []
     for i in range(cfg.num_layers):
+      layer_cache = None if keys is None else dict(keys, k=cache["k"][i], v=cache["v"][i])
       x = Block(cfg, name=f"block_{i}")(
           x, positions=positions, multiplier=None if mult is None else mult[i],
-          deterministic=deterministic)
+          deterministic=deterministic, key_mask=key_mask, cache=layer_cache)
+      if keys is not None:
+        x, (k, v) = x
+        new_k.append(k)
+        new_v.append(v)
     x = nn.RMSNorm(dtype=cfg.dtype, name="final_norm")(x)
+    if logits_to_keep is not None:
+      x = x[:, -logits_to_keep:]                                          # [B, W, D]
     if cfg.tie_embeddings:
       logits = embed.attend(x)
     else:
       logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, name="head",
                         kernel_init=kernel_init)(x)
-    return logits if cfg.logits_dtype == "compute" else logits.astype(jnp.float32)
+    logits = logits if cfg.logits_dtype == "compute" else logits.astype(jnp.float32)
+    if cache is None:
+      return logits
+    return logits, dict(keys, k=tuple(new_k), v=tuple(new_v), index=cache["index"] + t)
+
+
+def _write_slots(cache: Cache, mask: Array, positions: Array | None, t: int):
+  """(the cache's positions, validity and index with T new tokens written, their positions).
+
+  Raises:
+    ValueError: the T tokens do not fit the cache's free slots.
+  """
+  max_len, index = cache["positions"].shape[1], cache["index"]
+  try:
+    free = max_len - int(index)        # Concrete index (eager calls): check the free slots.
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    free = max_len                     # Traced index: only the cache length is static.
+  if t > free:
+    raise ValueError(f"{t} new tokens do not fit the KV cache: {free} of its {max_len} slots "
+                     f"are free (the cache length limits prompt plus generated tokens)")
+  if positions is None:
+    positions = padded_positions(mask, jnp.sum(cache["valid"], axis=-1))
+  positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), mask.shape)
+  keys = {
+      "positions": jax.lax.dynamic_update_slice(cache["positions"], positions, (0, index)),
+      "valid": jax.lax.dynamic_update_slice(cache["valid"], mask, (0, index)),
+      "index": index,
+  }
+  return keys, positions
 
 
 def num_params(config: ModelConfig) -> int:

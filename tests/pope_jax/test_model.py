@@ -177,3 +177,25 @@ def test_dtype_errors_name_the_field_the_caller_passed():
     dataclasses.replace(CFG, dtype=object())
   with pytest.raises(ValueError, match=r"ModelConfig\.logits_dtype .*got <class 'jax.numpy"):
     dataclasses.replace(CFG, logits_dtype=jnp.bfloat16)
+
+
+def test_input_shapes_are_named_and_logits_to_keep():
+  model, params = _init(CFG)
+  with pytest.raises(ValueError, match=r"tokens must be \[batch, length\]"):
+    model.apply({"params": params}, TOKENS[0])
+  with pytest.raises(ValueError, match=r"attention_mask must have the tokens' shape \(2, 9\)"):
+    model.apply({"params": params}, TOKENS, attention_mask=jnp.ones((2, 5), bool))
+  last = model.apply({"params": params}, TOKENS, logits_to_keep=2)
+  np.testing.assert_allclose(last, model.apply({"params": params}, TOKENS)[:, -2:], atol=1e-6)
+
+
+def test_bf16_cache_in_the_compute_dtype():
+  from pope_jax import init_cache
+  cfg = dataclasses.replace(CFG, dtype="bfloat16", num_kv_heads=2)
+  model, params = _init(cfg)
+  cache = init_cache(cfg, 2, 12)
+  assert cache["k"][0].shape == (2, 12, 2, 8) and cache["k"][0].dtype == jnp.bfloat16
+  logits, cache = model.apply({"params": params}, TOKENS, cache=cache)
+  full = model.apply({"params": params}, TOKENS)
+  assert logits.dtype == jnp.float32 and int(cache["index"]) == 9
+  np.testing.assert_allclose(logits, full, atol=0.05 * float(jnp.abs(full).max()))

@@ -1,0 +1,96 @@
+"""Sample text from a language model trained by `python -m experiments.language_model`.
+
+    python -m experiments.language_model --preset smoke --out runs/lm_smoke     # train first
+    python -m experiments.sample_text --run runs/lm_smoke/pope --prompt "ROMEO:" \\
+        --max-new-tokens 64 --temperature 0.8 --top-k 40 --seed 0
+    python -m experiments.sample_text --run runs/language_model/rope --num-samples 4 --top-p 0.9
+
+--run is one model's folder, OUT/<encoding>/ (result.json with the model config,
+params.msgpack); the tokenizer is the one its data folder holds (OUT/data/tokenizer.json).
+Decoding uses the KV cache of `pope_jax.generation` (RoPE and PoPE alike); temperature 0 is
+greedy. Sampling stops at the end-of-text token. Prints each sample and returns them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+from tqdm import tqdm
+
+from pope_jax import generation
+from pope_jax.config import ModelConfig, YarnConfig
+from pope_jax.data import text
+from pope_jax.tasks import language_model as lm
+
+
+def load_run(run: Path):
+  """(model config, params, tokenizer) of a finished `experiments.language_model` run folder.
+
+  Raises:
+    FileNotFoundError: the folder lacks result.json or params.msgpack (naming it).
+  """
+  files = [run / "result.json", run / "params.msgpack"]
+  missing = [str(f) for f in files if not f.is_file()]
+  if missing:
+    raise FileNotFoundError(f"not a finished language_model run (missing {', '.join(missing)}); "
+                            "pass --run OUT/<encoding>")
+  record = json.loads(files[0].read_text())
+  model = dict(record["config"]["model"])
+  if model.get("rope_yarn"):
+    model["rope_yarn"] = YarnConfig(**model["rope_yarn"])
+  # Decoding masks unwritten cache slots, which the fused kernel does not take yet.
+  config = dataclasses.replace(ModelConfig(**model), attention_implementation=None)
+  data_dir = Path(record["data"]["dir"])
+  if not data_dir.is_absolute() and not data_dir.exists():
+    data_dir = run.parent / "data"
+  return config, lm.load_params(files[1]), text.load_tokenizer(data_dir)
+
+
+def _encode(tokenizer, prompt: str) -> list[int]:
+  if isinstance(tokenizer, text.CharTokenizer):
+    return tokenizer.encode_ids(prompt)
+  return tokenizer.encode(prompt).ids
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--run", type=Path, required=True,
+                      help="a trained model's folder, OUT/<encoding> of experiments.language_model")
+  parser.add_argument("--prompt", default="\n", help="text to continue")
+  parser.add_argument("--num-samples", type=int, default=1, help="samples drawn as one batch")
+  parser.add_argument("--max-new-tokens", type=int, default=100)
+  parser.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
+  parser.add_argument("--top-k", type=int)
+  parser.add_argument("--top-p", type=float)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--no-progress", action="store_true")
+  args = parser.parse_args(argv)
+  try:
+    config, params, tokenizer = load_run(args.run)
+    ids = _encode(tokenizer, args.prompt)
+    sampling = generation.Sampling(temperature=args.temperature, top_k=args.top_k,
+                                   top_p=args.top_p)
+  except (FileNotFoundError, KeyError, ValueError) as e:
+    parser.error(str(e))
+  if not ids:
+    parser.error("--prompt encodes to no tokens")
+  eot = None if isinstance(tokenizer, text.CharTokenizer) else tokenizer.token_to_id(text.EOT)
+  bar = tqdm(total=args.max_new_tokens, desc="tokens", disable=args.no_progress)
+  new = generation.generate(
+      config, params, [ids] * args.num_samples, max_new_tokens=args.max_new_tokens,
+      temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+      key=jax.random.key(args.seed), stop_ids=() if eot is None else (eot,),
+      on_token=lambda i: bar.update(1))
+  bar.close()
+  samples = [args.prompt + tokenizer.decode([t for t in row if t != eot]) for row in new]
+  for i, sample in enumerate(samples):
+    print(f"--- sample {i} ---\n{sample}", flush=True)
+  return samples
+
+
+if __name__ == "__main__":
+  main()
