@@ -7,8 +7,10 @@
 
 Uses the RoPE and PoPE models of `experiments.language_model` in the same --out (trained first if
 missing) and held-out windows of the validation split (`pope_jax.tasks.frequency_usage`).
+`--seeds 0,1,2` measures one model per seed (seeds after the first in OUT/<encoding>_seed<N>/).
 Outputs: OUT/frequency_usage.json, OUT/frequency_usage.md (share of magnitude in the high-frequency
-half, per layer), OUT/frequency_usage.png (heatmaps, RoPE beside PoPE, queries and keys).
+half per layer, mean ± sd over seeds, and whether the paper's contrast appears),
+OUT/frequency_usage.png (heatmaps, RoPE beside PoPE, queries and keys), OUT/frequency_share.png.
 """
 
 from __future__ import annotations
@@ -23,12 +25,20 @@ def main(argv: list[str] | None = None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   common.add_lm_flags(parser, "runs/language_model")
   parser.add_argument("--max-windows", type=int, help="validation windows to average over")
+  parser.add_argument("--seeds", help="comma-separated seeds per encoding (default: --seed)")
   args = parser.parse_args(argv)
+  try:
+    seeds = [args.seed] if args.seeds is None else [int(s) for s in args.seeds.split(",")]
+  except ValueError:
+    parser.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+  if min(seeds) < 0 or len(set(seeds)) != len(seeds):
+    parser.error(f"--seeds: expected distinct non-negative integers, got {args.seeds!r}")
   with common.usage_errors(parser):
-    return task.run(common.resolve_lm_preset(args), args.out, preset_name=args.preset,
+    preset = common.resolve_lm_preset(args)
+    return task.run(preset, args.out, preset_name=args.preset,
                     max_windows=args.max_windows or task.MAX_WINDOWS[args.preset],
                     resume=args.resume, progress=not args.no_progress, data_dir=args.data_dir,
-                    splits=common.parse_splits(args.splits))
+                    splits=common.parse_splits(args.splits), seeds=seeds)
 
 
 if __name__ == "__main__":

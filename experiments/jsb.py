@@ -1,17 +1,17 @@
-"""JSB-style Bach chorales (PoPE App. A): train RoPE and PoPE, report test NLL per token.
+"""JSB Chorales (PoPE App. A): train RoPE and PoPE, report test NLL per token over seeds.
 
-    python -m experiments.jsb                      # CPU default preset
-    python -m experiments.jsb --preset paper       # the paper's configuration (GPU)
-    python -m experiments.jsb --preset smoke       # seconds, for tests (a dozen scores)
+    python -m experiments.jsb                      # CPU default preset (one seed)
+    python -m experiments.jsb --preset paper       # the paper's configuration, 5 seeds (GPU)
+    python -m experiments.jsb --preset smoke       # seconds, for tests (8 chorales, 2 seeds)
 
-Task logic: `pope_jax.tasks.jsb`; data: `pope_jax.data.jsb` (music21's Bach corpus → SATB
-16th-note raster tokens, fixed split in JSB's 229/76/77 proportions), cached under
-$POPE_JAX_CACHE (default ~/.cache/pope_jax). The paper reports RoPE 0.5081 and PoPE 0.4889 test NLL on the original JSB data; this is a different
-extraction, so only the direction of the gap compares.
+Task logic: `pope_jax.tasks.jsb`; data: `pope_jax.data.jsb` (the standard JSB benchmark, 229 / 76
+/ 77 chorales, shipped with the package). The paper reports RoPE 0.5081 and PoPE 0.4889 test NLL.
 
-Each encoding's run lives in OUT/<encoding>/ (orbax checkpoints, metrics.jsonl, result.json);
-`--resume` continues unfinished runs, finished ones with the same config are reused. Outputs:
-OUT/results.json, OUT/results.md, OUT/loss.png (validation NLL vs step).
+All seeds of an encoding train side by side in OUT/<encoding>/ (orbax checkpoints,
+metrics.jsonl, result.json); `--resume` continues unfinished runs, finished ones with the same
+config are reused. Outputs: OUT/results.json, OUT/results.md (test NLL mean ± sd, the direction
+of the gap in standard errors, frequency usage per layer), OUT/loss.png (validation NLL vs step),
+OUT/frequency_usage.png (heatmaps), OUT/frequency_share.png (high-frequency share per layer).
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--preset", choices=sorted(task.PRESETS), default="cpu")
   parser.add_argument("--encodings", default="rope,pope")
   parser.add_argument("--steps", type=int, help="override the preset's optimiser steps")
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--seeds", help="comma-separated seeds per encoding (default: the preset's)")
   parser.add_argument("--transpose", type=int, default=None,
                       help="augment training with shifts -N..N semitones (0 = none)")
-  parser.add_argument("--cache-dir", type=Path, help="extracted-chorale cache folder")
   parser.add_argument("--out", type=Path, default=Path("runs/jsb"))
   parser.add_argument("--resume", action="store_true",
                       help="continue unfinished runs from their checkpoints in --out")
@@ -40,7 +39,15 @@ def main(argv: list[str] | None = None) -> dict:
   common.add_init_std_flag(parser)
   args = parser.parse_args(argv)
   preset = task.PRESETS[args.preset]
-  train = dataclasses.replace(preset.train, seed=args.seed)
+  if args.seeds is not None:
+    try:
+      seeds = tuple(int(s) for s in args.seeds.split(","))
+    except ValueError:
+      parser.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+    if min(seeds) < 0 or len(set(seeds)) != len(seeds):
+      parser.error(f"--seeds: expected distinct non-negative integers, got {args.seeds!r}")
+    preset = dataclasses.replace(preset, seeds=seeds)
+  train = dataclasses.replace(preset.train, seed=preset.seeds[0])
   if args.steps:
     train = common.with_steps(train, args.steps)
   try:
@@ -56,11 +63,11 @@ def main(argv: list[str] | None = None) -> dict:
     if enc not in ("rope", "pope"):
       raise SystemExit(f"--encodings: unknown encoding {enc!r}")
     with common.usage_errors(parser):
-      r = task.run_one(preset, enc, args.out, resume=args.resume, progress=not args.no_progress,
-                       cache_dir=args.cache_dir)
-    print(f"{enc}: test NLL {r['test_nll']:.4f}", flush=True)
-    runs.append(r)
-  return task.summarize(args.out, runs, args.preset)
+      rs = task.run_encoding(preset, enc, args.out, resume=args.resume,
+                             progress=not args.no_progress)
+    print(f"{enc}: test NLL " + ", ".join(f"{r['test_nll']:.4f}" for r in rs), flush=True)
+    runs += rs
+  return task.summarize(args.out, runs, preset, args.preset)
 
 
 if __name__ == "__main__":

@@ -162,6 +162,10 @@ class ChoraleSource:
   def __len__(self) -> int:
     return len(self._windows) * len(self.transpositions)
 
+  @property
+  def num_pieces(self) -> int:
+    return len(self._pieces)
+
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
     if not -len(self) <= index < len(self):
       raise IndexError(f"index {index} out of range for {len(self)} records")

@@ -74,7 +74,7 @@ def test_sources_cover_every_note_once():
     weight = sum(source[i]["weights"].sum() for i in range(len(source)))
     assert weight == 4 * sum(len(c) for c in chorales[split])
   small = jsb.jsb_sources(64, pieces_per_split=(4, 2, 2), transpositions=(-1, 0, 1))
-  assert [len(small[s]._pieces) for s in jsb.SPLITS] == [4, 2, 2]
+  assert [small[s].num_pieces for s in jsb.SPLITS] == [4, 2, 2]
   assert small["train"].transpositions == (-1, 0, 1) and small["test"].transpositions == (0,)
   with pytest.raises(ValueError, match="pieces_per_split"):
     jsb.jsb_sources(64, pieces_per_split=(4, 0, 2))
