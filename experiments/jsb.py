@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--seeds", help="comma-separated seeds per encoding (default: the preset's)")
   parser.add_argument("--transpose", type=int, default=None,
                       help="augment training with shifts -N..N semitones (0 = none)")
+  parser.add_argument("--pack", action="store_true",
+                      help="train on the chorales concatenated into one stream, not one per window")
   parser.add_argument("--out", type=Path, default=Path("runs/jsb"))
   parser.add_argument("--resume", action="store_true",
                       help="continue unfinished runs from their checkpoints in --out")
@@ -58,6 +60,8 @@ def main(argv: list[str] | None = None) -> dict:
   if args.transpose is not None:
     preset = dataclasses.replace(preset, transpositions=tuple(range(-args.transpose,
                                                                     args.transpose + 1)))
+  if args.pack:
+    preset = dataclasses.replace(preset, pack_train=True)
   runs = []
   for enc in [e.strip() for e in args.encodings.split(",") if e.strip()]:
     if enc not in ("rope", "pope"):

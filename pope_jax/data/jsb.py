@@ -125,8 +125,10 @@ class ChoraleSource:
 
   Each piece becomes ceil(4U / T) records: windows of T + 1 tokens with stride T over its token
   sequence (BOS + raster), padded with silence at zero weight, so every note token is a target
-  exactly once and a window never spans two pieces. With `transpositions`, every record appears
-  once per semitone shift (index i → record i // len(transpositions), shift
+  exactly once and a window never spans two pieces. With `pack`, the pieces' token sequences are
+  instead concatenated in order into one stream cut the same way (no padding but in the last
+  window; a window may span pieces, and BOS is then a target too). With `transpositions`, every
+  record appears once per semitone shift (index i → record i // len(transpositions), shift
   i % len(transpositions)): augmentation that stays random-access and deterministic; the
   trainer's shuffle mixes the shifts.
 
@@ -134,12 +136,13 @@ class ChoraleSource:
   """
 
   def __init__(self, pieces: Sequence[np.ndarray], seq_len: int, *,
-               transpositions: Sequence[int] = (0,)):
+               transpositions: Sequence[int] = (0,), pack: bool = False):
     """
     Args:
       pieces: [U, 4] grids (see `load_chorales`).
       seq_len: T.
       transpositions: semitone shifts, e.g. range(-5, 7); (0,) = none.
+      pack: concatenate the pieces into one stream (class docstring).
 
     Raises:
       ValueError: seq_len < 1, no pieces, or a shift that leaves the pitch vocabulary.
@@ -156,8 +159,14 @@ class ChoraleSource:
     for shift in self.transpositions:
       for p in self._pieces:
         tokenize(p, shift)                     # Raises on a shift out of range.
-    self._windows = [(i, start) for i, p in enumerate(self._pieces)
-                     for start in range(0, 4 * len(p), seq_len)]
+    self.pack = pack
+    # With pack, one token stream per shift; piece -1 in `_windows` stands for it.
+    self._streams = {t: np.concatenate([tokenize(p, t) for p in self._pieces])
+                     for t in self.transpositions} if pack else {}
+    lengths = ([len(self._streams[self.transpositions[0]])] if pack else
+               [1 + 4 * len(p) for p in self._pieces])
+    self._windows = [(-1 if pack else i, start) for i, n in enumerate(lengths)
+                     for start in range(0, n - 1, seq_len)]
 
   def __len__(self) -> int:
     return len(self._windows) * len(self.transpositions)
@@ -172,7 +181,8 @@ class ChoraleSource:
     index %= len(self)
     window, shift = divmod(index, len(self.transpositions))
     piece, start = self._windows[window]
-    tokens = tokenize(self._pieces[piece], self.transpositions[shift])
+    shift = self.transpositions[shift]
+    tokens = self._streams[shift] if piece < 0 else tokenize(self._pieces[piece], shift)
     tokens = tokens[start:start + self.seq_len + 1]
     n = len(tokens) - 1
     out = {"inputs": np.full(self.seq_len, SILENCE, np.int32),
@@ -183,17 +193,19 @@ class ChoraleSource:
 
   def __repr__(self) -> str:
     return (f"ChoraleSource({len(self._pieces)} pieces, seq_len={self.seq_len}, "
-            f"transpositions={self.transpositions}, {len(self)} records)")
+            f"transpositions={self.transpositions}, pack={self.pack}, {len(self)} records)")
 
 
 def jsb_sources(seq_len: int, *, transpositions: Sequence[int] = (0,),
-                pieces_per_split: Sequence[int] | None = None,
+                pack_train: bool = False, pieces_per_split: Sequence[int] | None = None,
                 path: str | os.PathLike = DATA_FILE) -> dict[str, ChoraleSource]:
-  """Train/valid/test sources of the benchmark; augmentation (if any) on train only.
+  """Train/valid/test sources of the benchmark; augmentation and packing (if any) on train only,
+  so evaluation always scores each chorale from its own BOS.
 
   Args:
     seq_len: T.
     transpositions: semitone shifts of the training pieces.
+    pack_train: concatenate the training pieces into one stream (`ChoraleSource`).
     pieces_per_split: (train, valid, test) counts of the first chorales of each split to keep
       (a cheap subset for tests); None = all (229 / 76 / 77).
     path: the data file (default: the vendored benchmark).
@@ -210,6 +222,6 @@ def jsb_sources(seq_len: int, *, transpositions: Sequence[int] = (0,),
     if len(pieces_per_split) != 3 or min(pieces_per_split) < 1:
       raise ValueError(f"pieces_per_split must be three positive counts, got {pieces_per_split}")
     chorales = {s: chorales[s][:n] for s, n in zip(SPLITS, pieces_per_split)}
-  return {s: ChoraleSource(chorales[s], seq_len,
-                           transpositions=transpositions if s == "train" else (0,))
+  train = {"transpositions": transpositions, "pack": pack_train}
+  return {s: ChoraleSource(chorales[s], seq_len, **(train if s == "train" else {}))
           for s in SPLITS}

@@ -10,8 +10,9 @@ the test split (`pope_jax.tasks.frequency_usage`).
 Assumptions where App. A is silent (each an overridable config field): Adam β1 0.9
 (`TrainConfig.b1`); init N(0, 0.02²) with scaled residual projections (`ModelConfig.init_std`,
 the nanoGPT scheme the paper's hyper-parameters come from); float32 compute (`ModelConfig.dtype`);
-one chorale per window, padded at zero weight (`Preset.seq_len` windows never span two pieces);
-no transposition augmentation (`Preset.transpositions`).
+one chorale per training window, padded at zero weight, about 47 % of the tokens of a 2048 window
+(`Preset.pack_train` concatenates the training chorales instead); no transposition augmentation
+(`Preset.transpositions`). Evaluation always scores each chorale from its own BOS.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Preset:
     seq_len: T, tokens per training window.
     seeds: seeds of each encoding, trained side by side (vmapped).
     transpositions: semitone shifts of the training chorales ((0,) = none).
+    pack_train: train on the chorales concatenated into one stream instead of one per window.
     pieces_per_split: keep the first (train, valid, test) chorales; None = all 229 / 76 / 77.
     usage_windows: test windows for frequency usage (None = the whole test split).
     description, expect: one line each for results.md.
@@ -53,6 +55,7 @@ class Preset:
   seq_len: int
   seeds: tuple[int, ...] = (0,)
   transpositions: tuple[int, ...] = (0,)
+  pack_train: bool = False
   pieces_per_split: tuple[int, int, int] | None = None
   usage_windows: int | None = None
   description: str = ""
@@ -113,6 +116,7 @@ def run_encoding(preset: Preset, encoding: str, out: Path, *, resume: bool,
   model_cfg = dataclasses.replace(preset.model, pos_encoding=encoding)
   config = {"model": model_cfg, "train": preset.train, "seq_len": preset.seq_len,
             "seeds": preset.seeds, "transpositions": preset.transpositions,
+            "pack_train": preset.pack_train,
             "pieces_per_split": preset.pieces_per_split, "usage_windows": preset.usage_windows}
   workdir = out / encoding
   result_file = workdir / "result.json"
@@ -121,6 +125,7 @@ def run_encoding(preset: Preset, encoding: str, out: Path, *, resume: bool,
     if done["config"] == json.loads(json.dumps(reporting.to_jsonable(config))):
       return done["runs"]
   sources = jsb.jsb_sources(preset.seq_len, transpositions=preset.transpositions,
+                            pack_train=preset.pack_train,
                             pieces_per_split=preset.pieces_per_split)
   results = train_and_evaluate(
       model_cfg, preset.train, train_source=sources["train"],
@@ -158,8 +163,12 @@ def direction(by_enc: dict[str, list[float]]) -> dict:
 
 
 def summarize(out: Path, runs: list[dict], preset: Preset, preset_name: str) -> dict[str, float]:
-  """`preset` (as run, flags applied) and its name: writes OUT/results.{md,json}, OUT/loss.png, OUT/frequency_usage.png and
-  OUT/frequency_share.png; returns {encoding: mean test NLL over seeds}."""
+  """Writes OUT/results.{md,json}, OUT/loss.png, OUT/frequency_usage.png and
+  OUT/frequency_share.png for `preset` as run (flags applied) named `preset_name`.
+
+  Returns:
+    {encoding: mean test NLL over seeds}.
+  """
   by_enc: dict[str, list[dict]] = {}
   for r in runs:
     by_enc.setdefault(r["encoding"], []).append(r)
@@ -189,14 +198,16 @@ def summarize(out: Path, runs: list[dict], preset: Preset, preset_name: str) -> 
             "\nHeatmaps: frequency_usage.png; shares per layer: frequency_share.png.\n")
   usage_task.plot_usage(usage, out / "frequency_usage.png", out / "frequency_share.png")
   reporting.write_results(
-      out, title=f"JSB Chorales ({preset_name} preset)", about=_what_ran(runs[0], preset, preset_name),
-      table=table, record=record, runs=runs, plot="loss.png", metric="valid_loss",
-      ylabel="validation NLL per token")
+      out, title=f"JSB Chorales ({preset_name} preset)", table=table,
+      about=_what_ran(runs[0], preset, preset_name), record=record, runs=runs, plot="loss.png",
+      metric="valid_loss", ylabel="validation NLL per token")
   return {enc: s["test_nll_mean"] for enc, s in summary.items()}
 
 
 def _what_ran(first: dict, preset: Preset, preset_name: str) -> str:
   train, data = preset.train, first["data"]
+  windows = ("training chorales packed into one stream" if preset.pack_train else
+             "one chorale per window")
   every = ("the whole validation split" if train.eval_batches is None else
            f"the first {train.eval_batches * train.batch_size} validation windows")
   return reporting.what_ran(
@@ -204,8 +215,8 @@ def _what_ran(first: dict, preset: Preset, preset_name: str) -> str:
       steps=train.steps, batch=f"{train.batch_size} windows of {preset.seq_len} tokens per seed",
       data=(f"the JSB Chorales benchmark (Boulanger-Lewandowski et al. 2012 split, 16th-note "
             f"SATB raster tokens), chorales per split {data['pieces']} of 229 / 76 / 77, "
-            f"transpositions {preset.transpositions}; one chorale per window (an assumption, "
-            f"with Adam b1 {train.b1}, init std {preset.model.init_std}, "
+            f"transpositions {preset.transpositions}; {windows} "
+            f"(assumptions, with Adam b1 {train.b1}, init std {preset.model.init_std}, "
             f"{preset.model.dtype} compute)"),
       periodic=f"validation NLL on {every} every {train.eval_every} steps",
       chance=(f"a uniform guess over the {data['vocab_size']} tokens has NLL "

@@ -98,8 +98,30 @@ def test_source_windows_padding_and_transposition():
   assert len(aug) == 12
   up, same = aug[2], aug[1]
   np.testing.assert_array_equal(same["inputs"], recs[0]["inputs"])
-  np.testing.assert_array_equal(up["targets"], np.where(same["targets"] > 0, same["targets"] + 3, 0))
+  np.testing.assert_array_equal(up["targets"],
+                                np.where(same["targets"] > 0, same["targets"] + 3, 0))
   with pytest.raises(ValueError, match="outside MIDI"):
     jsb.ChoraleSource(pieces, seq_len=16, transpositions=(60,))
   with pytest.raises(IndexError):
     src[4]
+
+
+def test_packed_source_is_one_stream():
+  rng = np.random.default_rng(1)
+  pieces = [rng.integers(50, 70, (10, 4)).astype(np.int16),
+            rng.integers(50, 70, (3, 4)).astype(np.int16)]
+  stream = np.concatenate([jsb.tokenize(p) for p in pieces])        # 41 + 13 = 54 tokens
+  src = jsb.ChoraleSource(pieces, seq_len=16, pack=True)
+  assert len(src) == 4                                              # 53 targets → 16+16+16+5
+  recs = [src[i] for i in range(4)]
+  np.testing.assert_array_equal(np.concatenate([r["targets"][r["weights"] > 0] for r in recs]),
+                                stream[1:])
+  np.testing.assert_array_equal(recs[2]["inputs"], stream[32:48])  # Spans both pieces.
+  assert recs[3]["weights"].sum() == 5 and (recs[2]["targets"] == jsb.BOS).sum() == 1
+  aug = jsb.ChoraleSource(pieces, seq_len=16, transpositions=(0, 2), pack=True)
+  assert len(aug) == 8
+  np.testing.assert_array_equal(aug[1]["inputs"][1:], np.where(
+      recs[0]["inputs"][1:] > 0, recs[0]["inputs"][1:] + 2, 0))
+  sources = jsb.jsb_sources(2048, pack_train=True)
+  assert sources["train"].pack and not sources["test"].pack
+  assert len(sources["train"]) == -(-(4 * 55228 + 229 - 1) // 2048)
