@@ -26,6 +26,7 @@ Shape letters: B batch, T length, N heads, H head dim, F frequencies (H/2 RoPE, 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from pathlib import Path
@@ -88,6 +89,7 @@ def layer_projections(config: ModelConfig, params: Any,
   return [(a["query"]["__call__"][0], a["key"]["__call__"][0]) for a in attn]
 
 
+@functools.lru_cache(maxsize=8)    # One compile serves every seed of a config.
 def _capture_qk(config: ModelConfig):
   def sums(params, tokens, weights):
     out = {"query": [], "key": []}
