@@ -124,9 +124,11 @@ def plot_usage(summary: dict, heatmaps: Path, shares: Path) -> None:
       ax = axes[row, col]
       im = ax.imshow(np.asarray(entry[which]["mean"]), aspect="auto", origin="lower",
                      cmap="viridis", interpolation="nearest")
-      ax.set_title(f"{enc.upper()} {which} magnitude ({entry['seeds']} seeds)")
+      seeds = entry["seeds"]
+      ax.set_title(f"{enc.upper()} {which} magnitude ({seeds} seed{'s' * (seeds > 1)})")
       ax.set_xlabel("frequency index (0 = highest)")
       ax.set_ylabel("layer")
+      ax.set_yticks(range(len(entry[which]["mean"])))
       fig.colorbar(im, ax=ax)
   fig.tight_layout()
   fig.savefig(heatmaps, dpi=120)
@@ -140,6 +142,7 @@ def plot_usage(summary: dict, heatmaps: Path, shares: Path) -> None:
     ax.axhline(50, color="gray", lw=0.8, ls="--")
     ax.set_title(f"{which}: high-frequency share")
     ax.set_xlabel("layer")
+    ax.set_xticks(range(len(mean)))
     ax.legend()
   axes[0].set_ylabel("% of magnitude in the higher-frequency half")
   fig.tight_layout()
