@@ -18,7 +18,7 @@ PoPE (`pope_jax`):
   length_extrapolation — zero-shot perplexity vs evaluation context length (PoPE Figure 2).
   frequency_usage      — per (layer, frequency) mean q/k magnitude of RoPE and PoPE (PoPE §5).
   indirect_indexing    — train RoPE and PoPE on indirect indexing; test accuracy (PoPE §4).
-  jsb                  — JSB-style Bach chorales; test NLL per token (PoPE App. A).
+  jsb                  — JSB Chorales benchmark; test NLL per token over seeds (PoPE App. A).
   sample_text          — sample text from a trained language model (KV cache, top-k/top-p).
   bench_decode         — decode tokens/s, KV cache against recomputing, PoPE against RoPE.
   score_bounds         — how many query tiles the fused kernel's magnitude bound covers.

@@ -13,7 +13,6 @@ attention in the same dtype when torch is importable; otherwise its columns are 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os

@@ -7,13 +7,14 @@
 
 Uses the RoPE and PoPE models of `experiments.language_model` in the same --out (trained first if
 missing) and held-out windows of the validation split (`pope_jax.tasks.frequency_usage`).
+`--seeds 0,1,2` measures one model per seed (seeds after the first in OUT/<encoding>_seed<N>/).
 Outputs: OUT/frequency_usage.json, OUT/frequency_usage.md (share of magnitude in the high-frequency
-half, per layer), OUT/frequency_usage.png (heatmaps, RoPE beside PoPE, queries and keys).
+half per layer, mean ± sd over seeds, and whether the paper's contrast appears),
+OUT/frequency_usage.png (heatmaps, RoPE beside PoPE, queries and keys), OUT/frequency_share.png.
 """
 
 from __future__ import annotations
 
-import argparse
 
 from experiments import common
 from pope_jax.tasks import frequency_usage as task
@@ -25,7 +26,14 @@ def main(argv: list[str] | None = None) -> dict:
   common.add_lm_flags(parser, "runs/language_model")
   parser.add_argument("--max-windows", type=common.positive_int,
                       help="validation windows to average over (default: the preset's)")
+  parser.add_argument("--seeds", type=common.comma_list(common.nonnegative_int,
+                                                        "non-negative integers"),
+                      help="comma-separated seeds per encoding, each trained in turn "
+                           "(default: --seed)")
   args = parser.parse_args(argv)
+  seeds = [args.seed] if args.seeds is None else list(args.seeds)
+  if len(set(seeds)) != len(seeds):
+    parser.error(f"--seeds: expected distinct seeds, got {args.seeds!r}")
   try:
     preset = common.resolve_lm_preset(args)
   except ValueError as e:  # A config that refuses a flag's value: a usage error.
@@ -34,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     return task.run(preset, args.out, preset_name=args.preset,
                     max_windows=args.max_windows or task.MAX_WINDOWS[args.preset],
                     resume=args.resume, progress=not args.no_progress, data_dir=args.data_dir,
-                    splits=args.splits)
+                    splits=args.splits, seeds=seeds)
 
 
 if __name__ == "__main__":

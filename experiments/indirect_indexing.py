@@ -14,7 +14,6 @@ OUT/accuracy.png (validation accuracy vs step).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from pathlib import Path
 

@@ -17,7 +17,6 @@ OUT/results.json, OUT/results.md, OUT/loss.png (validation loss vs step).
 
 from __future__ import annotations
 
-import argparse
 
 from experiments import common
 from pope_jax.tasks import language_model as lm

@@ -23,7 +23,6 @@ memory is refused up front (lower --eval-batch-size).
 
 from __future__ import annotations
 
-import argparse
 
 from experiments import common
 from pope_jax.tasks import length_extrapolation as task

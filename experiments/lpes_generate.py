@@ -8,7 +8,6 @@ Prints each prompt's continuation (`lpes_jax.greedy_generate`, stops at EOS).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Sequence

@@ -16,7 +16,6 @@ the bounded share; the median and largest bound beside the largest |score| and t
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from pathlib import Path

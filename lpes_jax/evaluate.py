@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lpes_jax import baselines, fitness, generate, search
+from pope_jax import generation
 from lpes_jax.config import LlamaConfig
 from lpes_jax.llama import Llama
 from lpes_jax.tasks import begin_middle_end, position_indices
@@ -162,7 +163,7 @@ def evaluate_positions(gen: Generator, tok, config: LlamaConfig, task: TaskConfi
     for b in range(0, len(ids), ev.batch_size):
       chunk = ids[b:b + ev.batch_size]
       chunk = chunk + [chunk[0]] * (ev.batch_size - len(chunk))            # fixed batch shape
-      t, m = generate.left_pad(chunk, length, pad_id)
+      t, m = generation.left_pad(chunk, length, pad_id)
       t0 = time.perf_counter()
       out = np.asarray(jax.block_until_ready(gen(t, m, ev.max_new_tokens)))
       timing.append({"gold": gold, "batch": b, "seconds": time.perf_counter() - t0,

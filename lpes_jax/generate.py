@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from lpes_jax.config import LlamaConfig
 from lpes_jax.llama import KVCache, Llama, init_kv_cache
 from pope_jax import encodings, generation
-from pope_jax.generation import bucket_length, left_pad  # noqa: F401  (lpes_jax.evaluate)
+
 
 Array = jax.Array
 

@@ -13,6 +13,9 @@ frequency, over the tokens of held-out text and averaged over heads:
 
 Both lists run from the highest frequency (index 0, θ = 1 rad/token) to the lowest. q and k are
 read from the attention layers' "query"/"key" projections with Flax's `capture_intermediates`.
+One number per layer summarises a row (`high_frequency_share`): the share of its magnitude in the
+higher-frequency half of the frequency index (0.5 for uniform use); the paper's contrast is RoPE
+low (suppressed high frequencies) and PoPE high in every layer but the first.
 
 Length extrapolation (`perplexity_by_length`, PoPE Figure 2): a model trained at context L is
 evaluated on held-out text cut into non-overlapping windows of each evaluation length, every token
@@ -23,6 +26,7 @@ Shape letters: B batch, T length, N heads, H head dim, F frequencies (H/2 RoPE, 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from pathlib import Path
@@ -85,6 +89,7 @@ def layer_projections(config: ModelConfig, params: Any,
   return [(a["query"]["__call__"][0], a["key"]["__call__"][0]) for a in attn]
 
 
+@functools.lru_cache(maxsize=8)    # One compile serves every seed of a config.
 def _capture_qk(config: ModelConfig):
   def sums(params, tokens, weights):
     out = {"query": [], "key": []}
@@ -128,6 +133,33 @@ def frequency_usage(config: ModelConfig, params: Any,
     raise ValueError("frequency_usage got no token with non-zero weight")
   return {"query": total["query"] / count, "key": total["key"] / count,
           "frequencies": frequencies(config)}
+
+
+def high_frequency_share(usage: np.ndarray) -> np.ndarray:
+  """Share of each row's magnitude in the higher-frequency half of the frequency index.
+
+  Args:
+    usage: [..., L, F] magnitudes, column 0 the highest frequency (`frequency_usage` rows).
+
+  Returns:
+    [..., L] float: sum of the first F // 2 columns over the sum of all (0.5 = uniform use).
+  """
+  usage = np.asarray(usage, np.float64)
+  return usage[..., :usage.shape[-1] // 2].sum(-1) / usage.sum(-1)
+
+
+def standard_errors_apart(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
+  """Welch-style gap between two groups of seeds: (mean(a) - mean(b), that gap in standard errors).
+
+  The standard error is sqrt(sd_a² / n_a + sd_b² / n_b) with sample standard deviations (n - 1);
+  with fewer than two values in a group, or no spread at all, the second item is NaN.
+  """
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  gap = float(a.mean() - b.mean())
+  if len(a) < 2 or len(b) < 2:
+    return gap, math.nan
+  se = math.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b))
+  return gap, (gap / se if se > 0 else math.nan)
 
 
 def attention_score_bytes(config: ModelConfig, batch_size: int, length: int) -> int:

@@ -27,7 +27,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
 
 from pope_jax import checks, encodings, positions
 

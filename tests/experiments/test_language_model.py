@@ -45,10 +45,16 @@ def test_length_extrapolation_smoke(lm_out):
 
 
 def test_frequency_usage_smoke(lm_out):
-  record = frequency_usage.main(["--preset", "smoke", "--out", str(lm_out), "--no-progress"])
-  assert len(record["usage"]["rope"]["query"][0]) == 8      # head dim 16 → 8 RoPE pairs
-  assert len(record["usage"]["pope"]["key"][0]) == 16       # 16 PoPE frequencies
+  record = frequency_usage.main(["--preset", "smoke", "--out", str(lm_out), "--no-progress",
+                                 "--seeds", "0,1"])
+  assert len(record["usage"]["rope"][0]["query"][0]) == 8   # head dim 16 → 8 RoPE pairs
+  assert len(record["usage"]["pope"][1]["key"][0]) == 16    # 16 PoPE frequencies
+  assert (lm_out / "rope_seed1" / "result.json").exists()   # Seed 0 is the shared OUT/rope.
+  share = record["summary"]["encodings"]["pope"]["query"]
+  assert len(share["share_per_seed"]) == 2 and share["share_sd"][0] > 0
+  assert "contrast" in (lm_out / "frequency_usage.md").read_text()
   assert (lm_out / "frequency_usage.png").stat().st_size > 1000
+  assert (lm_out / "frequency_share.png").stat().st_size > 1000
 
 
 def test_score_bounds_smoke(lm_out, tmp_path, capsys):

@@ -62,6 +62,45 @@ def test_frequency_usage_errors():
                                             "weights": np.zeros((1, 3), np.float32)}])
 
 
+def test_high_frequency_share_and_standard_errors_by_hand():
+  usage = np.array([[3.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
+  # Columns 0 and 1 are the higher-frequency half (column 0 = 1 rad/token).
+  np.testing.assert_allclose(analysis.high_frequency_share(usage), [1.0, 0.5, 2 / 3])
+  np.testing.assert_allclose(analysis.high_frequency_share(usage[None].repeat(2, 0)),
+                             [[1.0, 0.5, 2 / 3]] * 2)
+  # Means 2 and 1, sample variances 1 and 1, n 3 and 3: se = sqrt(2/3).
+  gap, z = analysis.standard_errors_apart([1.0, 2.0, 3.0], [0.0, 1.0, 2.0])
+  assert gap == 1.0 and z == pytest.approx(1 / np.sqrt(2 / 3))
+  assert np.isnan(analysis.standard_errors_apart([1.0], [0.0, 1.0])[1])
+  assert np.isnan(analysis.standard_errors_apart([1.0, 1.0], [0.0, 0.0])[1])
+
+
+def test_usage_summary_and_contrast():
+  from pope_jax.tasks import frequency_usage as fu
+  def run(*rows):                                  # [L, F] rows of one seed
+    return {"query": np.array(rows), "key": np.array(rows), "frequencies": np.ones(4)}
+  # Layer 0 is not checked; in layer 1 PoPE puts 60-62 % in the high half, RoPE 20-30 %.
+  usage = {"rope": [run([1, 1, 1, 1], [1, 1, 4, 4]), run([9, 1, 0, 0], [1, 2, 3, 4])],
+           "pope": [run([1, 1, 1, 1], [3, 3, 2, 2]), run([0, 0, 1, 1], [3, 2, 2, 1])]}
+  summary = fu.summarize_usage(usage)
+  rope = summary["encodings"]["rope"]["query"]
+  np.testing.assert_allclose(rope["share_per_seed"], [[0.5, 0.2], [1.0, 0.3]])
+  np.testing.assert_allclose(rope["share_mean"], [0.75, 0.25])
+  np.testing.assert_allclose(rope["share_sd"], [np.sqrt(0.125), np.sqrt(0.005)])
+  np.testing.assert_allclose(rope["mean"], [[5, 1, 0.5, 0.5], [1, 1.5, 3.5, 4]])
+  c = summary["contrast"]
+  assert c["layers"] == [1] and c["appears"] and c["rope_below_half"]
+  np.testing.assert_allclose(c["key"]["gap"][1], 0.6125 - 0.25)
+  assert c["query"]["standard_errors"][1] > 0
+  assert c["statement"].startswith("The paper's contrast appears")
+  text = fu.usage_markdown(summary)
+  assert "| rope | query | 2 | 75.0 ± 35.4 | 25.0 ± 7.1 |" in text
+  # One seed each, PoPE below RoPE: no standard error, the contrast does not appear.
+  one = fu.summarize_usage({"rope": usage["pope"][:1], "pope": usage["rope"][:1]})
+  assert not one["contrast"]["appears"] and "standard errors" not in one["contrast"]["statement"]
+  assert "| pope | key | 1 | 50.0 | 20.0 |" in fu.usage_markdown(one)
+
+
 def test_perplexity_by_length(tmp_path):
   from pope_jax.data import text
   text.write_tokens(tmp_path / "valid.bin", np.arange(200) % 13, vocab_size=13)
