@@ -16,7 +16,6 @@ OUT/results.json and OUT/results.md.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import time
@@ -24,6 +23,9 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from tqdm.auto import tqdm
+
+from experiments import common
 
 from pope_jax import reporting
 from pope_jax.config import MODEL_PRESETS, ModelConfig
@@ -86,32 +88,37 @@ def bench_one(config: ModelConfig, context: int, batch: int, new_tokens: int,
 
 
 def main(argv: list[str] | None = None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
-  parser.add_argument("--encodings", default="rope,pope")
+  parser = common.make_parser("bench_decode", __doc__, {
+      "h200": "GPT-2-124M shape in bf16, contexts 1k and 8k, batches 1 and 8 (GPU)",
+      "smoke": "a 2-layer, 64-wide model, contexts 32 and 64 (CPU, seconds)"})
+  parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke",
+                      help="configuration to time (see presets below)")
+  parser.add_argument("--encodings", default="rope,pope", help="comma-separated rope,pope")
   parser.add_argument("--implementation", choices=["xla", "pallas"],
                       help="attention_implementation of the model (default: best available)")
-  parser.add_argument("--out", type=Path, default=Path("runs/bench_decode"))
+  parser.add_argument("--out", type=Path, default=Path("runs/bench_decode"),
+                      help="folder for results.json and results.md")
+  parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
   args = parser.parse_args(argv)
+  encodings = common.encodings_list(parser, args.encodings, ("rope", "pope"))
   preset = PRESETS[args.preset]
+  cases = [(enc, c, b) for enc in encodings for c in preset.contexts for b in preset.batches]
   rows, results = [], []
-  for enc in [e.strip() for e in args.encodings.split(",") if e.strip()]:
-    config = dataclasses.replace(preset.model, pos_encoding=enc,
-                                 attention_implementation=args.implementation)
-    for context in preset.contexts:
-      for batch in preset.batches:
-        r = bench_one(config, context, batch, preset.new_tokens, preset.reps)
-        results.append({"encoding": enc, "context": context, "batch": batch, **r})
-        rows.append([enc, context, batch, f"{r['cached']:.0f}", f"{r['recompute']:.0f}",
-                     f"{r['cached'] / r['recompute']:.1f}x"])
-        print(" | ".join(map(str, rows[-1])), flush=True)
+  with common.locked(parser, args.out):
+    for enc, context, batch in tqdm(cases, desc="cases", disable=args.no_progress):
+      config = dataclasses.replace(preset.model, pos_encoding=enc,
+                                   attention_implementation=args.implementation)
+      r = bench_one(config, context, batch, preset.new_tokens, preset.reps)
+      results.append({"encoding": enc, "context": context, "batch": batch, **r})
+      rows.append([enc, context, batch, f"{r['cached']:.0f}", f"{r['recompute']:.0f}",
+                   f"{r['cached'] / r['recompute']:.1f}x"])
+      print(" | ".join(map(str, rows[-1])), flush=True)
   table = reporting.markdown_table(
       ["encoding", "context", "batch", "cached tokens/s", "recompute tokens/s", "speed-up"], rows)
   print(table)
   record = {"preset": args.preset, "model": preset.model, "new_tokens": preset.new_tokens,
             "implementation": args.implementation, "results": results,
             "metadata": reporting.run_metadata()}
-  args.out.mkdir(parents=True, exist_ok=True)
   reporting.write_json(args.out / "results.json", record)
   (args.out / "results.md").write_text(f"# Decode throughput ({args.preset} preset, "
                                        f"{jax.devices()[0].device_kind})\n\n{table}\n")

@@ -60,6 +60,7 @@ def _number(kind, low: float, inclusive: bool, what: str):
 positive_int = _number(int, 1, True, "a positive integer")
 nonnegative_int = _number(int, 0, True, "a non-negative integer")
 positive_float = _number(float, 0.0, False, "a positive finite number")
+nonnegative_float = _number(float, 0.0, True, "a non-negative finite number")
 
 
 def comma_list(item, what: str):

@@ -13,7 +13,6 @@ greedy. Sampling stops at the end-of-text token. Prints each sample and returns 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
+from experiments import common
 from pope_jax import generation
 from pope_jax.config import ModelConfig, YarnConfig
 from pope_jax.data import text
@@ -57,17 +57,23 @@ def _encode(tokenizer, prompt: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> list[str]:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--run", type=Path, required=True,
+  parser = common.make_parser("sample_text", __doc__)
+  parser.add_argument("--run", type=common.existing_dir, required=True,
                       help="a trained model's folder, OUT/<encoding> of experiments.language_model")
   parser.add_argument("--prompt", default="\n", help="text to continue")
-  parser.add_argument("--num-samples", type=int, default=1, help="samples drawn as one batch")
-  parser.add_argument("--max-new-tokens", type=int, default=100)
-  parser.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
-  parser.add_argument("--top-k", type=int)
-  parser.add_argument("--top-p", type=float)
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--no-progress", action="store_true")
+  parser.add_argument("--num-samples", type=common.positive_int, default=1,
+                      help="samples drawn as one batch")
+  parser.add_argument("--max-new-tokens", type=common.positive_int, default=100,
+                      help="tokens to sample per sample")
+  parser.add_argument("--temperature", type=common.nonnegative_float, default=0.8,
+                      help="softmax temperature; 0 for greedy")
+  parser.add_argument("--top-k", type=common.positive_int,
+                      help="sample among the k most likely tokens (default: all)")
+  parser.add_argument("--top-p", type=common.positive_float,
+                      help="nucleus sampling: the smallest set with this probability (default: 1)")
+  parser.add_argument("--seed", type=common.nonnegative_int, default=0,
+                      help="seed of the jax.random key that drives sampling")
+  parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
   args = parser.parse_args(argv)
   try:
     config, params, tokenizer = load_run(args.run)

@@ -28,7 +28,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-
 from pope_jax import checks, encodings, positions
 
 Array = jax.Array

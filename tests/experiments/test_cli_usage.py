@@ -29,7 +29,7 @@ def model(tmp_path, monkeypatch):
 def no_training(monkeypatch):
   """Training any experiment's model fails the test."""
   monkeypatch.setattr(indirect_indexing.ii, "run_encoding", _never)
-  monkeypatch.setattr(jsb.task, "run_one", _never)
+  monkeypatch.setattr(jsb.task, "run_encoding", _never)
   monkeypatch.setattr(language_model.lm, "train_model", _never)
 
 
