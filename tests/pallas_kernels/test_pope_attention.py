@@ -460,11 +460,11 @@ def test_persistent_launch_over_tiles(head_dim, persistent, is_causal):
                            head_dim, 64, q.dtype)  # as pope_attention does
   q_pos = jnp.arange(300) + 30
   kw = dict(is_causal=is_causal, q_positions=q_pos)
-  positions = kernel._positions(q_pos, jnp.arange(330), batch=1, t_len=300, s_len=330,
-                                is_causal=is_causal, blocks=blocks, head_dim=head_dim,
-                                value_dim=head_dim, dtype=q.dtype, base=10000.0)
-  tables = kernel._prepare(q, k, v, delta, positions, base=10000.0, is_causal=is_causal,
-                           blocks=blocks)[-1]
+  freqs = encodings.pope_frequencies(head_dim, 10000.0)
+  operands = kernel._positions(q_pos, jnp.arange(330), freqs, batch=1, t_len=300, s_len=330,
+                               is_causal=is_causal, blocks=blocks, head_dim=head_dim,
+                               value_dim=head_dim, dtype=q.dtype)
+  tables = kernel._prepare(q, k, v, delta, operands, is_causal=is_causal, blocks=blocks)[-1]
   for _, schedule in tables:
     assert np.asarray(schedule)[:, 0].max() == 1
 
