@@ -2,9 +2,9 @@
 
 Every kernel has the same skeleton: a CTA holds two (the forward two or three) resident tiles,
 one per compute warpgroup, and a memory warpgroup streams tiles of the other operand through
-`stages` SMEM slots with TMA. A CTA runs one such group of tiles (an item) or, persistent,
-several in turn, as a static schedule assigns them (`item_schedule`), streaming all of them
-through one ring of slots.
+`stages` SMEM slots with TMA. A CTA (at most one per SM) runs such groups of tiles (items) in
+turn, as a static schedule assigns them (`item_schedule`), streaming all of them through one
+ring of slots.
 Which streamed steps a resident tile visits is precomputed in XLA from the positions (see
 `visit_table`), so causal block skipping is exact for any positions:
 
@@ -112,34 +112,30 @@ def causal_steps(n_tiles: int, tile_rows: int, n_cols: int, step_cols: int, offs
 
 def num_sms() -> int:
   """Streaming multiprocessors of the first device (132 on the H200). In the CPU interpreter
-  there is no limit, so a persistent launch runs one tile per CTA: interpreted runs with several
-  tiles per CTA can hang on a machine with few cores."""
+  there is no limit, so each CTA runs one item: interpreted runs with several items per CTA
+  can hang on a machine with few cores."""
   if interpreted():
     return 2 ** 31 - 1
   return getattr(jax.local_devices()[0], "core_count", 132)
 
 
-def item_schedule(lengths: np.ndarray, persistent: bool) -> np.ndarray:
+def item_schedule(lengths: np.ndarray) -> np.ndarray:
   """Which CTA runs which items (resident tiles), a static table built at trace time.
 
-  One CTA per item without `persistent` (the hardware's block scheduler then starts each item,
-  in launch order, on the first free SM). With it, at most one CTA per SM (`num_sms`), and each
-  item in launch order goes to the CTA with the least work so far, by `lengths`: what the block
-  scheduler does dynamically with one CTA per item if the lengths hold, made ahead (greedy;
-  `item_coords` numbers items longest first within each batch). Items of one batch thus still
-  run at about the same time, and its keys stay in L2.
+  At most one CTA per SM (`num_sms`); each item in launch order goes to the CTA with the least
+  work so far by `lengths` (greedy; `item_coords` numbers items longest first within each
+  batch), so the items of one batch run at about the same time and its keys stay in L2.
 
   Args:
     lengths: [n_items] estimated steps per item (`causal_steps`; only the balance depends on
       them, not the result).
-    persistent: see above.
 
   Returns:
     [grid, 1 + max items per CTA] int32: per CTA its item count, then its items in order
     (-1 padding).
   """
   n_items = len(lengths)
-  grid = min(n_items, num_sms()) if persistent else n_items
+  grid = min(n_items, num_sms())
   if grid == n_items:  # one item per CTA, in launch order
     return np.stack([np.ones(n_items, np.int32), np.arange(n_items, dtype=np.int32)], axis=1)
   loads = [(0.0, c) for c in range(grid)]
@@ -155,7 +151,7 @@ def item_schedule(lengths: np.ndarray, persistent: bool) -> np.ndarray:
 
 
 def launch_schedule(bsz: int, n_heads: int, n_tiles: int, steps: np.ndarray,
-                    persistent: bool, longest_last_tile: bool) -> np.ndarray:
+                    longest_last_tile: bool) -> np.ndarray:
   """`item_schedule` of a kernel's items, numbered by `item_coords` (within a batch, rank 0
   first; rank 0 is the last tile when `longest_last_tile`, queries resident, else tile 0).
 
@@ -165,7 +161,7 @@ def launch_schedule(bsz: int, n_heads: int, n_tiles: int, steps: np.ndarray,
   ranks = np.arange(n_tiles)
   per_rank = steps[n_tiles - 1 - ranks] if longest_last_tile else steps[ranks]
   lengths = np.tile(np.repeat(per_rank, n_heads), bsz)
-  return item_schedule(lengths, persistent)
+  return item_schedule(lengths)
 
 
 # --- In the kernel: a CTA's items, and a compute warpgroup's loops over its visit ranges.
@@ -219,25 +215,6 @@ def compute_loops(ranges, carry, step):
                             (fhi, hi, "masked"), (hi, u_hi, "skip")):
     carry = lax.fori_loop(start, stop, lambda s, c, mode=mode: step(s, c, mode), carry)
   return carry
-
-
-def compute_loops_overlapped(ranges, carry, skip, first, step, last):
-  """`compute_loops` for a software-pipelined step whose matmul p @ v lags one step behind.
-
-  Runs skip(s, carry) over the skipped ranges, first(s, carry) at the first visible step lo,
-  step(s, carry, mode) over (lo, hi) (mode "masked" or "full"; it finishes step s - 1) and
-  last(s, carry) at s = hi - 1 (finishing it); nothing but the skips when lo == hi. The single
-  steps run as loops of zero or one trip, so the carry needs no conditional.
-  """
-  u_lo, u_hi, lo, flo, fhi, hi = ranges
-  carry = lax.fori_loop(u_lo, lo, skip, carry)
-  nxt = jnp.minimum(lo + 1, hi)
-  carry = lax.fori_loop(lo, nxt, first, carry)
-  flo, fhi = jnp.maximum(flo, nxt), jnp.maximum(fhi, nxt)
-  for start, stop, mode in ((nxt, flo, "masked"), (flo, fhi, "full"), (fhi, hi, "masked")):
-    carry = lax.fori_loop(start, stop, lambda s, c, mode=mode: step(s, c, mode), carry)
-  carry = lax.fori_loop(jnp.maximum(hi - 1, lo), hi, last, carry)
-  return lax.fori_loop(hi, u_hi, skip, carry)
 
 
 # --- The memory warpgroup: one ring of SMEM slots over all of a CTA's items.
@@ -332,7 +309,7 @@ def stream_keys(for_items, tile_of, tab_ref, gmem, smem, group: int, block_kv: i
   memory_warpgroup(for_items, stages, consumed, ready, visit, copies, registers)
 
 
-# --- The compute warpgroups: registers and the ping-pong schedule.
+# --- The compute warpgroups: registers and the ping-pong handshake.
 
 def warpgroup_registers(wgs: int) -> tuple[int, int]:
   """32-bit registers per thread (compute warpgroups, memory warpgroup) of a kernel with `wgs`
@@ -348,37 +325,6 @@ def schedule_barrier(barrier) -> None:
   with jax.named_scope("handshake"):
     plgpu.barrier_arrive(barrier)
     plgpu.barrier_wait(barrier)
-
-
-class RingSchedule:
-  """The ping-pong schedule of `wgs` >= 2 compute warpgroups as a ring (FlashAttention-3, Shah et
-  al. 2024, §3.1, its warp-scheduler barriers): warpgroup i issues its QKᵀ of a step only after
-  warpgroup i - 1 (mod wgs) issued its own, so the tensor cores take the warpgroups' matmuls in
-  turn while the others run their softmaxes. `turns` holds one barrier per warpgroup, one
-  arrival each.
-
-  Every warpgroup takes the same number of turns over a run of ring steps (skipped steps take
-  theirs too): the last warpgroup opens the run (`start`), the first one closes it (`end`),
-  which consumes the last warpgroup's final pass, so each barrier's phases are waited in order.
-  """
-
-  def __init__(self, turns, wg, wgs: int):
-    self.turns, self.wg, self.wgs = turns, wg, wgs
-
-  def wait(self):
-    """Before issuing this step's QKᵀ."""
-    with jax.named_scope("handshake"):
-      plgpu.barrier_wait(self.turns.at[self.wg])
-
-  def pass_on(self):
-    """After issuing it: the next warpgroup's turn."""
-    plgpu.barrier_arrive(self.turns.at[lax.rem(self.wg + 1, self.wgs)])
-
-  def start(self):
-    pl.when(self.wg == self.wgs - 1)(lambda: plgpu.barrier_arrive(self.turns.at[0]))
-
-  def end(self):
-    pl.when(self.wg == 0)(self.wait)
 
 
 # --- SMEM budget, platform and compiler settings.

@@ -1,6 +1,6 @@
 """Compute-warpgroup operations whose GPU and CPU-interpreter paths differ.
 
-On the GPU: wgmma matmuls (fresh, accumulating, two in flight, and the backward's gradient step)
+On the GPU: wgmma matmuls (fresh, accumulating, and the backward's gradient step)
 and a lane vote; in the CPU interpreter (`_streaming.interpreted`), which has no register-operand
 wgmma, no `run_state` and no warp vote, the same values computed in turn with jnp.
 
@@ -58,37 +58,6 @@ def matmul_accs(accs, a, bs) -> tuple:
     for acc_ref, b in zip(acc_refs, bs):
       plgpu.wgmma(acc_ref, a, b)
   return tuple(pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc in accs)))
-
-
-def matmul_overlapped(a, b, shape, acc: jax.Array, p, v, during, then=None):
-  """a @ b and acc + p @ v in flight together; `during(a @ b)` runs while p @ v is.
-
-  FlashAttention-3's intra-warpgroup overlap (Shah et al. 2024, §3.2, Alg. 2): both wgmmas are
-  issued, the first is awaited (in-order completion: at most one group left in flight), and
-  `during` works on its result in registers while the tensor cores finish the second.
-
-  Args:
-    a, b: operands of the first product (as in `matmul`); shape: its [M, N] shape.
-    acc: [M, V] float32 accumulator; p: register lhs, v: SMEM rhs of the second product.
-    during: function of the float32 [M, N] first product, run before the second is awaited.
-    then: if given, runs after both wgmmas are issued (the ping-pong schedule barrier).
-
-  Returns:
-    (during(a @ b), acc + p @ v). The CPU interpreter computes the two products in turn.
-  """
-  if st.interpreted():
-    res = during(matmul(a, b, shape, then=then))
-    return res, matmul_acc(acc, p, v)
-
-  def run(s_ref, o_ref):
-    o_ref[...] = acc
-    plgpu.wgmma(s_ref, a, b)
-    plgpu.wgmma(o_ref, p, v)
-    if then is not None:
-      then()
-    res = during(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
-    return res, o_ref[...]
-  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32), plgpu.ACC(acc.shape, jnp.float32))
 
 
 def gradient_step(scores, dscores, probs, ds_of, p_terms, ds_terms, dtype, *, overlap: bool):

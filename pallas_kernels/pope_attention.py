@@ -31,6 +31,7 @@ V value head dim.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 
@@ -41,9 +42,8 @@ import numpy as np
 from pallas_kernels import _streaming as st
 from pallas_kernels.pope_attention_bwd import pope_attention_dkv, pope_attention_dq
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
-from pallas_kernels.pope_attention_fwd import (BOUNDED_SCORE_LIMIT, TABLE_DTYPE,
-                                               bounded_softmax, pope_attention_fwd,
-                                               use_query_tables, resolve_forward)
+from pallas_kernels.pope_attention_fwd import (BOUNDED_SCORE_LIMIT, TABLE_DTYPE, ForwardPlan,
+                                               plan_forward, pope_attention_fwd)
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
@@ -125,11 +125,27 @@ def _pad_to(x, length: int, axis: int, value=0):
   return jnp.pad(x, pad, constant_values=value)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """The kernels' static schedule, resolved once per call (`_plan`) and passed down."""
+  blocks: BlockSizes
+  inference: ForwardPlan  # the forward without saving a
+  training: ForwardPlan   # the forward saving a for the backward
+
+  def forward(self, save_a: bool) -> ForwardPlan:
+    return self.training if save_a else self.inference
+
+
+def _plan(blocks: BlockSizes, h: int, value_dim: int, dtype) -> _Plan:
+  vd = -(-value_dim // 64) * 64
+  return _Plan(blocks, *(plan_forward(blocks, h, vd, dtype, save_a) for save_a in (False, True)))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12, 13))
 def _flash(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, tables,
-           blocks: BlockSizes, magnitude_scale: float, cartesian_map):
+           plan: _Plan, magnitude_scale: float, cartesian_map):
   return _forward(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, tables,
-                  blocks, magnitude_scale, save_a=False)[1][0]
+                  plan.inference, magnitude_scale)[1][0]
 
 
 def tile_score_bound(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
@@ -161,11 +177,9 @@ def tile_score_bound(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
 
 
 def forward_tile_rows(blocks: BlockSizes, head_dim: int, value_dim: int, dtype) -> int:
-  """Query rows per CTA of the forward kernel (its resident tile group, the unit of
-  `bounded_tiles`): `block_q` times the compute warpgroups (`resolve_forward`; 192 at
-  the default blocks of H <= 64 where three fit, else 128)."""
-  blocks = resolve_forward(blocks, head_dim, -(-value_dim // 64) * 64, dtype)
-  return blocks.forward_warpgroups * blocks.block_q
+  """Query rows per CTA item of the forward kernel, the unit of `bounded_tiles`: `block_q`
+  times the compute warpgroups (192 at the default blocks of H <= 64 where three fit)."""
+  return _plan(blocks, head_dim, value_dim, dtype).inference.tile_rows
 
 
 def bounded_tiles(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
@@ -183,21 +197,19 @@ def bounded_tiles(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
   return (bound <= BOUNDED_SCORE_LIMIT).astype(jnp.int32)
 
 
-def _forward(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, tables, blocks,
-             magnitude_scale, *, save_a):
+def _forward(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, tables,
+             plan: ForwardPlan, magnitude_scale):
   """The key map (`key_map`, one XLA pass), zero-padded to the values' length, then the forward
   kernel. Without `bounded_softmax` the kernel takes no bounded flags (an all-zero constant
   cost an XLA kernel per call that broadcast it)."""
   b = _pad_to(key_map(k, k_trig), v.shape[1], 1)
-  tile_rows = blocks.forward_warpgroups * blocks.block_q  # (blocks as `resolve_forward` gives)
   bounded = None
-  if bounded_softmax(blocks, q.dtype):
+  if plan.bounded:
     bounded = bounded_tiles(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), magnitude_scale,
-                            tile_rows)
-  rot, trig = query_angles(freqs, phase, angle_pos, q_table, tables=use_query_tables(
-      blocks, q.shape[-1], v.shape[-1], q.dtype, save_a))
+                            plan.tile_rows)
+  rot, trig = query_angles(freqs, phase, angle_pos, q_table, tables=plan.tables)
   return b, pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, *tables[0], bounded,
-                               blocks=blocks, magnitude_scale=magnitude_scale, save_a=save_a)
+                               plan=plan, magnitude_scale=magnitude_scale)
 
 
 def query_table(angle_pos, freqs):
@@ -255,7 +267,7 @@ def query_angles(freqs, phase, angle_pos, q_table, *, tables: bool):
     freqs: [H] float32 θ; phase: [N, H] float32 query phase -δ; angle_pos: [B or 1, T] float32
       query angle positions; q_table: their `query_table`, or None without
       `BlockSizes.query_tables`.
-    tables: `pope_attention_fwd.use_query_tables`: the angles as q_table, with the phase as its
+    tables: `ForwardPlan.tables`: the angles as q_table, with the phase as its
       cos and sin [N, H]; else θ, -δ and the positions, the kernel computing cos and sin per
       element.
 
@@ -275,16 +287,17 @@ def _query_vjp_in_kernel(dtype) -> bool:
   return jnp.dtype(dtype) != jnp.dtype(jnp.float16)
 
 
-def _flash_fwd(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, tables, blocks,
+def _flash_fwd(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, tables, plan,
                magnitude_scale, cartesian_map):
   b, (out, lse, a) = _forward(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos,
-                              tables, blocks, magnitude_scale, save_a=True)
+                              tables, plan.training, magnitude_scale)
   query = () if _query_vjp_in_kernel(q.dtype) else (q, phase)  # for the map's VJP in XLA
   key_len = jnp.zeros((k.shape[1], 0), jnp.int8)  # k's length S, without keeping k_trig
   return out, (a, b, v, freqs, angle_pos, key_len, q_pos, k_pos, tables, out, lse, query)
 
 
-def _flash_bwd(blocks, magnitude_scale, cartesian_map, res, d_out):
+def _flash_bwd(plan, magnitude_scale, cartesian_map, res, d_out):
+  blocks = plan.blocks
   a, b, v, freqs, angle_pos, key_len, q_pos, k_pos, tables, out, lse, query = res
   delta = jnp.einsum("btnv,btnv->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
   d_out = d_out.astype(a.dtype)
@@ -325,18 +338,18 @@ def _flash_bwd(blocks, magnitude_scale, cartesian_map, res, d_out):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _resident_blocks(blocks: BlockSizes) -> tuple[tuple[int, int, bool, int], ...]:
+def _resident_blocks(plan: _Plan) -> tuple[tuple[int, int, bool, int], ...]:
   """Per kernel (forward, dq, dk/dv): its resident and streamed tile sizes, whether the
-  resident tiles are queries, and its compute warpgroups (`blocks` as `resolve_forward`
-  returns them)."""
-  return ((blocks.block_q, blocks.block_kv, True, blocks.forward_warpgroups),
+  resident tiles are queries, and its compute warpgroups."""
+  blocks = plan.blocks
+  return ((blocks.block_q, blocks.block_kv, True, plan.inference.warpgroups),
           (blocks.block_q_dq, blocks.block_kv_dq, True, st.COMPUTE_WGS),
           (blocks.block_kv_dkv, blocks.block_q_dkv, False, st.COMPUTE_WGS))
 
 
-@functools.partial(jax.jit, static_argnames=("batch", "t_len", "s_len", "is_causal", "blocks"))
+@functools.partial(jax.jit, static_argnames=("batch", "t_len", "s_len", "is_causal", "plan"))
 def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_len: int,
-                       is_causal: bool, blocks: BlockSizes):
+                       is_causal: bool, plan: _Plan):
   """What the kernels take from the positions alone, but for the angle tables
   (`_angle_tables`): the float32 query angle positions, [1, T_pad] for [T] positions, else
   [B, T_pad]; the float32 key positions in their [S] / [B, S] shape, unpadded (for
@@ -347,7 +360,7 @@ def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_le
   or arrays that are not traced), so a call then runs no kernels for it."""
   q_pos = jnp.broadcast_to(jnp.asarray(q_positions), (batch, t_len)).astype(jnp.float32)
   k_pos = jnp.broadcast_to(jnp.asarray(k_positions), (batch, s_len))
-  mult = blocks.seq_multiple
+  mult = plan.blocks.seq_multiple
   t_pad, s_pad = -(-t_len // mult) * mult, -(-s_len // mult) * mult
   q_angle = jnp.asarray(q_positions).astype(jnp.float32)
   angle_pos = jax.lax.stop_gradient(_pad_to(q_angle.reshape(-1, t_len), t_pad, 1))
@@ -358,7 +371,7 @@ def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_le
   qp, kp = jax.lax.stop_gradient(qp), jax.lax.stop_gradient(kp)
   visits = tuple(st.visit_table(*((qp, kp) if queries else (kp, qp)), row_block, col_block,
                                 rows_are_queries=queries, wgs=wgs)
-                 for row_block, col_block, queries, wgs in _resident_blocks(blocks))
+                 for row_block, col_block, queries, wgs in _resident_blocks(plan))
   return angle_pos, k_angle_pos, qp, kp, visits
 
 
@@ -401,8 +414,8 @@ def _table_bytes(angle_pos, k_angle_pos, freqs, **kw) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tables))
 
 
-@functools.partial(jax.jit, static_argnames=("is_causal", "blocks"))
-def _prepare(q, k, v, delta, positions, *, is_causal, blocks):
+@functools.partial(jax.jit, static_argnames=("is_causal", "plan"))
+def _prepare(q, k, v, delta, positions, *, is_causal, plan):
   """Operands: padded raw q, the query phase -δ (δ clamped by the caller), raw k (unpadded:
   `_forward` maps and pads it), padded v, positions and angle tables, and per kernel the visit
   table with which CTA runs which tiles (`st.launch_schedule`, balanced by the step counts of
@@ -426,25 +439,24 @@ def _prepare(q, k, v, delta, positions, *, is_causal, blocks):
     n_tiles = -(-n_rows // tile_rows)
     steps = st.causal_steps(n_tiles, tile_rows, n_cols, col_block, offset,
                             causal=is_causal, rows_are_queries=rows_are_queries)
-    return jnp.asarray(st.launch_schedule(bsz, n_heads, n_tiles, steps, blocks.persistent,
+    return jnp.asarray(st.launch_schedule(bsz, n_heads, n_tiles, steps,
                                           longest_last_tile=rows_are_queries))
 
   tables = tuple((visit, schedule(*kernel))
-                 for visit, kernel in zip(visits, _resident_blocks(blocks)))
+                 for visit, kernel in zip(visits, _resident_blocks(plan)))
   return qr, phase, k, vp, angle_pos, q_table, k_trig, qp, kp, tables
 
 
-def _positions(q_positions, k_positions, freqs, *, batch, t_len, s_len, is_causal, blocks,
-               head_dim, value_dim, dtype):
+def _positions(q_positions, k_positions, freqs, *, batch, t_len, s_len, is_causal, plan):
   """`_position_operands` and `_angle_tables`, evaluated at trace time (constants of the
   caller's computation) unless a position array is traced; the angle tables only up to
-  MAX_CONSTANT_TABLE_BYTES, and the query table only where the forward reads it
-  (`use_query_tables`, differentiated or not).
+  MAX_CONSTANT_TABLE_BYTES, and the query table only where a forward reads it
+  (`ForwardPlan.tables`, differentiated or not).
 
   Raises:
     ValueError: concrete positions of magnitude MAX_POSITION or more.
   """
-  kw = dict(batch=batch, t_len=t_len, s_len=s_len, is_causal=is_causal, blocks=blocks)
+  kw = dict(batch=batch, t_len=t_len, s_len=s_len, is_causal=is_causal, plan=plan)
   traced = any(isinstance(p, jax.core.Tracer) for p in (q_positions, k_positions, freqs))
   if not traced:
     for name, pos in (("q_positions", q_positions), ("k_positions", k_positions)):
@@ -455,9 +467,7 @@ def _positions(q_positions, k_positions, freqs, *, batch, t_len, s_len, is_causa
                          f"implementation='xla'")
   with jax.ensure_compile_time_eval() if not traced else contextlib.nullcontext():
     angle_pos, k_angle_pos, qp, kp, visits = _position_operands(q_positions, k_positions, **kw)
-  reads_table = any(use_query_tables(blocks, head_dim, value_dim, dtype, save_a)
-                    for save_a in (False, True))
-  table_kw = dict(query_tables=reads_table)
+  table_kw = dict(query_tables=plan.inference.tables or plan.training.tables)
   if (not traced
       and _table_bytes(angle_pos, k_angle_pos, freqs, **table_kw) <= MAX_CONSTANT_TABLE_BYTES):
     q_table, k_trig = _constant_angle_tables(_array_key(angle_pos), _array_key(k_angle_pos),
@@ -510,14 +520,12 @@ def pope_attention(q, k, v, delta=None, *, frequencies, q_positions, k_positions
   if reason is not None:
     raise NotImplementedError(reason)
   h = q.shape[-1]
-  blocks = resolve_forward(default_block_sizes(h) if block_sizes is None
-                           else block_sizes, h, -(-v.shape[-1] // 64) * 64, q.dtype)
+  plan = _plan(default_block_sizes(h) if block_sizes is None else block_sizes, h, v.shape[-1],
+               q.dtype)
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   s_len, t_len = k.shape[1], q.shape[1]
   positions = _positions(q_positions, k_positions, frequencies, batch=q.shape[0], t_len=t_len,
-                         s_len=s_len, is_causal=is_causal, blocks=blocks, head_dim=h,
-                         value_dim=v.shape[-1], dtype=q.dtype)
-  qr, phase, kr, vp, *rest = _prepare(q, k, v, delta, positions, is_causal=is_causal,
-                                      blocks=blocks)
-  out = _flash(qr, phase, kr, vp, frequencies, *rest, blocks, scale * _LOG2E, cartesian_map)
+                         s_len=s_len, is_causal=is_causal, plan=plan)
+  qr, phase, kr, vp, *rest = _prepare(q, k, v, delta, positions, is_causal=is_causal, plan=plan)
+  out = _flash(qr, phase, kr, vp, frequencies, *rest, plan, scale * _LOG2E, cartesian_map)
   return out[:, :t_len, :, :v.shape[-1]]
