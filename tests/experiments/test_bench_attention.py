@@ -31,6 +31,9 @@ def test_check_failures_names_errors_and_rows_over_tolerance():
   assert bench_attention.check_failures([ok, far, broken], 2e-2) == ["b", "c"]
   assert bench_attention.check_failures([ok], 2e-2) == []
   assert bench_attention.check_failures([dict(ok, name="d", dq=float("nan"))], 2e-2) == ["d"]
+  large = dict(ok, name="check_h64_large", shape="check_h64_large", out=0.06)
+  assert bench_attention.check_failures(
+      [large, dict(large, name="check_h64", shape="check_h64")], 2e-2) == ["check_h64"]
 
 
 def test_check_inputs_mix_bounded_and_unbounded_tiles():
