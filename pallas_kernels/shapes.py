@@ -82,8 +82,10 @@ SHAPES: dict[str, AttentionShape] = {
                                       input_scale=8.0),
 }
 # `bench_attention --check` tolerances (max |error| / max |reference|, output and gradients)
-# of shapes whose bf16 operands alone are off by more than the default.
-CHECK_TOLERANCES: dict[str, float] = {"check_h64_large": 0.1}
+# of shapes whose bf16 operands alone are off by more than the default. check_h64_large: 0.12
+# (output) and <= 0.07 (gradients) in the CPU interpreter, where attention in float32 over
+# q', k' rounded to bf16 is 0.12 off too (tests/pallas_kernels).
+CHECK_TOLERANCES: dict[str, float] = {"check_h64_large": 0.2}
 
 
 def random_inputs(shape: AttentionShape, dtype=jnp.bfloat16, seed: int = 0):
