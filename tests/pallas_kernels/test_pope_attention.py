@@ -772,7 +772,8 @@ def test_large_magnitudes_error_is_the_bf16_operands():
   want = _value_and_grads("xla", f32(q), f32(k), f32(v), delta, cot, is_causal=True)
   t_pos, s_pos = positions.default_positions(shape.q_len, shape.k_len)
   group = shape.num_heads // shape.num_kv_heads
-  a = encodings.pope_cartesian(f32(q), t_pos, phase=-delta) / (math.sqrt(shape.head_dim) * math.log(2))
+  scale = 1 / (math.sqrt(shape.head_dim) * math.log(2))  # the kernel's, log2 units
+  a = encodings.pope_cartesian(f32(q), t_pos, phase=-delta) * scale
   b = jnp.repeat(encodings.pope_cartesian(f32(k), s_pos), group, axis=2)
   scores = jnp.einsum("btnd,bsnd->bnts", f32(a.astype(jnp.bfloat16)),
                       f32(b.astype(jnp.bfloat16)))
