@@ -11,11 +11,13 @@ scale; with --tokamax-autotune also "expand + tokamax (autotuned)", tokamax afte
 autotuning (`tokamax.autotune`) of the forward and of the forward+backward. FLOPs: PoPE forward
 causal = 6·B·N·S²·H/2 (q'k'ᵀ over 2H plus PV over H); forward+backward is counted as 2.5×
 forward (the usual FlashAttention convention). Ratios are to the fastest PoPE baseline row
-(/best), to untuned tokamax (/tk) and to autotuned tokamax (/tk at). Times are wall clock per call, the median of `TIMING_WINDOWS`
-windows of at least --iters calls and `MIN_WINDOW_MS` each (`_time_ms`).
+(/best), to untuned tokamax (/tk) and to autotuned tokamax (/tk at). Times are wall clock per
+call, the median of `TIMING_WINDOWS` windows of at least --iters calls and `MIN_WINDOW_MS` each
+(`_time_ms`).
 
   python -m experiments.bench_attention --out results.json [--dtypes bfloat16,float16]
-      [--tokamax-autotune] [--variants] [--profile] [--check [--check-dtypes bfloat16,float16] [--check-shapes A,B]]
+      [--tokamax-autotune] [--variants] [--profile]
+      [--check [--check-dtypes bfloat16,float16] [--check-shapes A,B]]
       [--train-step [--train-batch N] [--logits-dtype compute] [--train-breakdown]]
 
 --dtypes: the main tables' input dtypes (default bfloat16, the speed target's).

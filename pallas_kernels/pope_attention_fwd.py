@@ -1,11 +1,8 @@
 """Forward kernel of fused PoPE attention: flash attention over the Cartesian PoPE form.
 
-The kernel reads the raw queries q (H wide) and maps each resident tile in registers to
-a = [μq cos(tθ-δ), μq sin(tθ-δ)]·scale·log2(e) (`cartesian_halves`), once per tile; it streams
-b = [μk cos sθ, μk sin sθ] (PoPE, arXiv 2509.10534, Eq. 5/6 written as a dot product of 2H-wide
-vectors) and computes O = softmax₂(a bᵀ) v with masking by position, where softmax₂ uses exp2
-(the log2(e) is folded into a). It also returns the base-2 log-sum-exp per row for the backward
-kernels and, when asked, a itself (their operand), so no separate pass maps the queries.
+Each resident query tile is mapped in registers to a = [μq cos(tθ-δ), μq sin(tθ-δ)]·scale·log2 e
+(`_query_map`); b = [μk cos sθ, μk sin sθ] streams; O = softmax₂(a bᵀ) v with masking by
+position. Also returns the base-2 log-sum-exp and, for the backward, a.
 
 Shape letters: B batch, T padded query length, S padded key length, N query heads, K kv heads,
 H head dim, D = 2H width of the Cartesian a and b, V value width (a multiple of 64).
@@ -31,9 +28,8 @@ from pallas_kernels._query_map import (TABLE_DTYPE, cartesian_halves,  # noqa: F
 from pallas_kernels.pope_attention_config import BlockSizes
 
 
-# Query tiles whose scores (log2 units) are all within ± this (`bounded_softmax`) take exp2 of
-# the scores: P, its row sums and P V then stay inside float32's and bfloat16's range for
-# S < 2**24 positions and |v| < 2**38 (the bf16 scores may exceed the bound by about 0.4 %).
+# Tiles whose scores (log2 units) lie within ± this take exp2 of the scores (`bounded_softmax`):
+# P, its row sums and P V stay in float32's and bf16's range for S < 2**24 and |v| < 2**38.
 BOUNDED_SCORE_LIMIT = 64.0
 
 
@@ -60,15 +56,10 @@ class ForwardPlan:
 
 
 def plan_forward(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool) -> ForwardPlan:
-  """The forward's schedule: three warpgroups where `forward_warpgroups` is None and their
-  buffers fit at `stages` with a saved and no tables (one answer for inference and training,
-  whose visit tables it shapes); then max(3, stages) where that fits, else `stages`; then the
-  query tables where they fit beside (never in place of a stage).
-
-  Args:
-    blocks: tile sizes; h: PoPE head dim H; vd: value width V (a multiple of 64); dtype: q's;
-    save_a: whether the forward saves a for the backward (training).
-  """
+  """The forward's schedule for head dim h, value width vd (a multiple of 64), q's dtype and
+  whether a is saved: three warpgroups where `forward_warpgroups` is None and they fit (with a
+  saved, no tables: one answer for both forwards), then max(3, stages) where that fits, then
+  the query tables where they fit beside."""
   def plan(save_a, **kw):
     q_in_o = h == vd and st.interpreted()  # (a persistent CTA prefetches the next queries)
     return ForwardPlan(blocks=blocks, h=h, vd=vd, dtype=jnp.dtype(dtype), save_a=save_a,
@@ -130,10 +121,7 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
 
   Args:
     q: [B, T, N, H] bf16/fp16 raw queries (before softplus).
-    rot, trig: the query angles (`pope_attention.query_angles`): with `plan.tables`, rot =
-      (cos, sin) of the phase -δ, each [N, H] float32, and trig [2, B or 1, T, H] float16 cos
-      and sin of pos·θ; else rot = (θ [H], -δ [N, H]) float32 and trig the positions
-      [B or 1, T] float32. Padding rows: any finite value.
+    rot, trig: the query angles (`pope_attention.query_angles`).
     b: [B, S, K, D] Cartesian keys, same dtype, D = 2H; v: [B, S, K, V] values, same dtype.
     q_pos: [B, T], k_pos: [B, S] float32 positions (padding: st.QUERY_PAD, st.KEY_PAD).
     table: [B, ceil(T / (W block_q)), 2 + 4 W] int32 from `st.visit_table`.
@@ -179,10 +167,8 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
 
 
 class _ForwardKernel:
-  """The forward kernel's body, built at trace time in stages: `pope_fwd_kernel` splits the
-  refs and runs `_compute` (compute warpgroups) or `stream_keys` (memory warpgroup); each item
-  of a compute warpgroup runs `_item`: load the query rows, map them (`_map_queries`), run the
-  item's steps (`ItemSteps.loops`), then normalise and store (`_store`)."""
+  """The forward kernel's body: `pope_fwd_kernel` forks the warpgroups; each item of a compute
+  warpgroup loads and maps its queries, runs its steps (`ItemSteps`) and stores (`_item`)."""
 
   def __init__(self, plan: ForwardPlan, *, t_len: int, n_heads: int, group: int,
                magnitude_scale: float, has_bounded: bool, rot_per_head: tuple,
@@ -201,10 +187,8 @@ class _ForwardKernel:
     self.registers, self.memory_registers = st.warpgroup_registers(self.wgs)
 
   def query_rows(self, tile, wg):
-    """(rows, live) of a warpgroup's query tile. Where T is not a multiple of the group's
-    rows (three warpgroups), the tiles of the last group past the queries (which visit no
-    keys, `st.visit_table`) load the last tile's rows and store nothing (live False); else
-    every tile is live (None)."""
+    """(rows, live) of a warpgroup's query tile: tiles past T (three warpgroups) load the last
+    rows and store nothing (live False); live is None where every tile is live."""
     start = (tile * self.wgs + wg) * self.bq
     if self.t_len % (self.wgs * self.bq) == 0:
       return pl.ds(start, self.bq), None
@@ -264,8 +248,7 @@ class _ForwardKernel:
     plgpu.wait_smem_to_gmem(0)
 
   def _load_queries(self, item, wg):
-    """Issues the copies of this warpgroup's query rows of an item: raw queries, the
-    angles (`rot` and `trig`; to q_bar), and the masking positions (to qpos_bar)."""
+    """Issues the copies of an item's query rows, angles (q_bar) and positions (qpos_bar)."""
     r = self.refs
     batch, head, tile = self.tile_of(item)
     rows, _ = self.query_rows(tile, wg)
@@ -290,8 +273,7 @@ class _ForwardKernel:
     return self.refs.bnd[batch, head, tile] != 0
 
   def _map_queries(self, wg):
-    """The resident query tile mapped to its Cartesian form: (a [bq, D] in WGMMA layout,
-    its two halves [bq, H])."""
+    """(a [bq, D] in WGMMA layout, its two halves [bq, H]) of the resident query tile."""
     r = self.refs
     with jax.named_scope("wait_q"):
       plgpu.barrier_wait(r.q_bar.at[wg])
@@ -310,9 +292,8 @@ class _ForwardKernel:
     return a, halves
 
   def _stage_a(self, a, halves, j, wg, batch, head, rows, live):
-    """Puts a where QKᵀ and the backward read it: a's SMEM tile, and with `save_a` a's rows
-    in GMEM (through a's tile, or each half through the output tile's SMEM, free until the
-    final store). Also issues the next item's query copies into the freed buffers."""
+    """With `save_a`, stores a (through its SMEM tile, or each half through the output
+    tile's); then issues the next item's query copies into the freed buffers."""
     r, h = self.refs, self.h
     if r.a_smem is not None:  # (after the previous item's store of a has read it)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -367,8 +348,7 @@ class _ForwardKernel:
     return base + ranges[1] - ranges[0]
 
   def _store(self, acc, m_i, l_i, wg, batch, head, rows, live):
-    """Epilogue: out = acc / l in q's dtype and lse = m + log2(l) (1e30 and zero rows where
-    no key is visible), through SMEM to GMEM."""
+    """out = acc / l and lse = m + log2(l) (zero rows and 1e30 where no key is visible)."""
     r, bq, vd = self.refs, self.bq, self.vd
     with jax.named_scope("store"):
       # The copies of a (this item's) or of the output (the previous item's) must have
