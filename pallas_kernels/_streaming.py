@@ -312,6 +312,13 @@ def check_smem(scratch, kernel: str, hint: str) -> None:
                      f"than the {limit} available: {hint}")
 
 
+def launch(body, out_type, scratch, *, ctas: int, compute_wgs: int):
+  """`plgpu.kernel` of a body with `compute_wgs` compute warpgroups and one memory warpgroup."""
+  return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(ctas,),
+                      grid_names=("cta",), num_threads=compute_wgs + 1, thread_name="wg",
+                      compiler_params=compiler_params())
+
+
 def interpreted() -> bool:
   return jax.default_backend() != "gpu"
 

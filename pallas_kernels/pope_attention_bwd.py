@@ -166,16 +166,8 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
   ]
   st.check_smem(scratch, "dq", f"lower BlockSizes.stages ({stages}), block_q_dq ({bq}) or "
                 f"block_kv_dq ({bk})")
-  return plgpu.kernel(
-      pope_dq_kernel,
-      out_type=jax.ShapeDtypeStruct(a.shape, dtype),
-      scratch_types=scratch,
-      grid=(grid,),
-      grid_names=("cta",),
-      num_threads=wgs + 1,
-      thread_name="wg",
-      compiler_params=st.compiler_params(),
-  )(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
+  return st.launch(pope_dq_kernel, jax.ShapeDtypeStruct(a.shape, dtype), scratch, ctas=grid,
+                   compute_wgs=wgs)(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
 
 
 _DKV_OUTPUTS = ("dk", "dv")
@@ -309,16 +301,9 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outp
   st.check_smem(scratch, "dk/dv", f"lower BlockSizes.stages ({stages}), block_kv_dkv ({bk}) or "
                 f"block_q_dkv ({bq})")
   shapes = {"dk": (bsz, s_len, n_heads, h), "dv": (bsz, s_len, n_heads, vd)}
-  out = plgpu.kernel(
-      pope_dkv_kernel,
-      out_type={o: jax.ShapeDtypeStruct(shapes[o], dtype) for o in outputs},
-      scratch_types=scratch,
-      grid=(grid,),
-      grid_names=("cta",),
-      num_threads=wgs + 1,
-      thread_name="wg",
-      compiler_params=st.compiler_params(),
-  )(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
+  out = st.launch(pope_dkv_kernel, {o: jax.ShapeDtypeStruct(shapes[o], dtype) for o in outputs},
+                  scratch, ctas=grid, compute_wgs=wgs)(a, b, v, do, lse, delta, q_pos, k_pos,
+                                                       table, schedule)
   return tuple(out[o] for o in outputs)
 
 

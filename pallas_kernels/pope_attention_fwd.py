@@ -154,16 +154,9 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
               jax.ShapeDtypeStruct((bsz, n_heads, t_len), jnp.float32))
   if plan.save_a:
     out_type += (jax.ShapeDtypeStruct((bsz, t_len, n_heads, 2 * h), q.dtype),)
-  return plgpu.kernel(
-      kernel.pope_fwd_kernel,
-      out_type=out_type,
-      scratch_types=scratch,
-      grid=(schedule.shape[0],),
-      grid_names=("cta",),
-      num_threads=plan.warpgroups + 1,
-      thread_name="wg",
-      compiler_params=st.compiler_params(),
-  )(q, *rot, trig, b, v, q_pos, k_pos, table, schedule, *([] if bounded is None else [bounded]))
+  return st.launch(kernel.pope_fwd_kernel, out_type, scratch, ctas=schedule.shape[0],
+                   compute_wgs=plan.warpgroups)(
+      q, *rot, trig, b, v, q_pos, k_pos, table, schedule, *([] if bounded is None else [bounded]))
 
 
 class _ForwardKernel:
