@@ -1,8 +1,7 @@
 """The streamed steps of one item of the forward kernel: QKᵀ, online softmax, PV.
 
-`ItemSteps` runs a compute warpgroup's steps over an item's visit ranges, as written or in
-FlashAttention-3's overlapped order (§3.2), for `pope_attention_fwd._ForwardKernel`, whose
-static settings and refs it reads.
+`ItemSteps` runs a compute warpgroup's steps over an item's visit ranges for
+`pope_attention_fwd._ForwardKernel`, whose static settings and refs it reads.
 
 Shape letters: bq resident query rows, bk streamed key rows, V value width.
 """
@@ -26,13 +25,12 @@ ROW_SUM_COLS = 16
 
 class ItemSteps:
   """The streamed steps of one item of a compute warpgroup: QKᵀ, the online softmax of the
-  score tile, and PV, as written (`step`) or overlapped (`first`, `step_overlapped`, `last`:
-  FlashAttention-3 §3.2), over the item's visit ranges (`loops`)."""
+  score tile, and PV (`step`), over the item's visit ranges (`loops`)."""
 
   def __init__(self, k, wg, a_lhs, qpos, ranges, origin):
     self.k, self.r, self.wg, self.a_lhs, self.qpos = k, k.refs, wg, a_lhs, qpos
     self.ranges, self.origin = ranges, origin  # this item's first step is the ring's `base`
-    self.ones_smem, self.ring, self.handshake = k.refs.ones_smem, k.ring, k.handshake
+    self.ones_smem, self.handshake = k.refs.ones_smem, k.handshake
 
   def wait_step(self, s):
     with jax.named_scope("wait_kv"):
@@ -43,11 +41,11 @@ class ItemSteps:
   def scores(self, slot):
     return self.a_lhs, self.r.b_smem.at[slot].transpose((1, 0)), (self.k.bq, self.k.bk)
 
-  def softmax(self, s_blk, m_i, l_i, slot, mode, cast=True, bounded=False):
+  def softmax(self, s_blk, m_i, l_i, slot, mode, bounded=False):
     """Online softmax of one score tile: (m, l, P, alpha), alpha the per-row factor of the old
-    acc (`rescale`; 1 where the max stays, None: no rescale); P in q's dtype if `cast`, else
-    float32. Under `rescale_threshold` a row's max m moves only when its block max exceeds it
-    by more than that, so P <= 2**rescale_threshold. With `bounded` (every score within
+    acc (`rescale`; 1 where the max stays, None: no rescale); P in q's dtype. Under
+    `rescale_threshold` a row's max moves only when its block max exceeds it by more than
+    that, so P <= 2**rescale_threshold. With `bounded` (every score within
     ±BOUNDED_SCORE_LIMIT) m stays 0: P = exp2(scores), no max and no rescale. Under
     `row_sum_mma` the returned l lacks this step's P, which `pv` adds, and its rescale, which
     `rescale` applies."""
@@ -61,7 +59,7 @@ class ItemSteps:
         p = jnp.exp2(s_blk)
         if self.ones_smem is None:
           l_i = l_i + p.sum(axis=1)
-        return m_i, l_i, p.astype(k.dtype) if cast else p, None
+        return m_i, l_i, p.astype(k.dtype), None
       m_blk = s_blk.max(axis=1)
       if k.blocks.rescale_threshold is None:
         m_new = jnp.maximum(m_i, m_blk)
@@ -71,14 +69,12 @@ class ItemSteps:
       p = jnp.exp2(s_blk - st.broadcast(m_new, (bq, bk), 0))
       if self.ones_smem is None:  # (else [bq, ROW_SUM_COLS], rescaled with acc; P @ 1 in `pv`)
         l_i = l_i * alpha + p.sum(axis=1)
-      if cast:
-        p = p.astype(k.dtype)
-      return m_new, l_i, p, alpha
+      return m_new, l_i, p.astype(k.dtype), alpha
 
-  def hand_over(self, *values, pp=None):
+  def hand_over(self, *values, pp):
     """Under ping-pong (`pp`): finish computing `values`, then the handshake that hands the
     tensor cores to the other warpgroup (ptxas may hoist its arrive; its wait stays here)."""
-    if not (self.k.ping_pong if pp is None else pp):
+    if not pp:
       return values
     values = lax.optimization_barrier(values)
     self.handshake()
@@ -102,13 +98,9 @@ class ItemSteps:
       return ops.matmul_acc(acc, p, self.r.v_smem.at[slot]), l_i
     return ops.matmul_accs((acc, l_i), p, (self.r.v_smem.at[slot], self.ones_smem.at[self.wg]))
 
-  def skip(self, s, carry, pp=None):
-    pp = self.k.ping_pong if pp is None else pp
+  def skip(self, s, carry, pp):
     plgpu.barrier_arrive(self.r.consumed.at[self.wait_step(s)])
-    if pp and self.ring is not None:
-      self.ring.wait()
-      self.ring.pass_on()
-    elif pp:
+    if pp:
       self.handshake()
       self.handshake()
     return carry
@@ -121,51 +113,16 @@ class ItemSteps:
       return self.skip(s, carry, pp)
     acc, m_i, l_i = carry
     slot = self.wait_step(s)
-    if pp and self.ring is not None:
-      self.ring.wait()
     with jax.named_scope("qk"):
-      s_blk = ops.matmul(*self.scores(slot), then=self.k.after_qk if pp else None)
+      s_blk = ops.matmul(*self.scores(slot), then=self.handshake if pp else None)
     m_i, l_i, p, alpha = self.softmax(s_blk, m_i, l_i, slot, mode, bounded=bounded)
     if alpha is not None:
       acc, l_i = self.rescale(acc, l_i, alpha)
-    acc, m_i, l_i, p = self.hand_over(acc, m_i, l_i, p, pp=pp and self.ring is None)
+    acc, m_i, l_i, p = self.hand_over(acc, m_i, l_i, p, pp=pp)
     with jax.named_scope("pv"):
       acc, l_i = self.pv(acc, l_i, p, slot)
     plgpu.barrier_arrive(self.r.consumed.at[slot])
     return acc, m_i, l_i
-
-  # The overlapped schedule: step s issues QKᵀ of s with PV of s - 1, whose P it carries, and
-  # runs the softmax of s while PV runs; so a slot is released one step later, after its PV.
-  # P is cast to q's dtype only after PV is awaited: ptxas serialises the wgmmas when a wgmma
-  # operand register is written while one is in flight.
-  def first(self, s, carry):
-    acc, m_i, l_i, _ = carry
-    slot = self.wait_step(s)
-    with jax.named_scope("qk"):
-      s_blk = ops.matmul(*self.scores(slot), then=self.handshake)
-    m_i, l_i, p, _ = self.softmax(s_blk, m_i, l_i, slot, "masked")
-    m_i, l_i, p = self.hand_over(m_i, l_i, p)
-    return acc, m_i, l_i, p
-
-  def step_overlapped(self, s, carry, mode):
-    acc, m_i, l_i, p_prev = carry
-    slot, prev = self.wait_step(s), st.slot_of(s - 1, self.origin, self.k.stages)
-    with jax.named_scope("qk_pv"):
-      (m_i, l_i, p, alpha), acc = ops.matmul_overlapped(
-          *self.scores(slot), acc, p_prev, self.r.v_smem.at[prev],
-          lambda s_blk: self.hand_over(*self.softmax(s_blk, m_i, l_i, slot, mode, cast=False)),
-          then=self.handshake)
-    plgpu.barrier_arrive(self.r.consumed.at[prev])
-    acc, l_i = self.rescale(acc, l_i, alpha)
-    return acc, m_i, l_i, p.astype(self.k.dtype)
-
-  def last(self, s, carry):
-    acc, m_i, l_i, p = carry
-    slot = st.slot_of(s, self.origin, self.k.stages)
-    with jax.named_scope("pv"):
-      acc = ops.matmul_acc(acc, p, self.r.v_smem.at[slot])
-    plgpu.barrier_arrive(self.r.consumed.at[slot])
-    return acc, m_i, l_i, p
 
   def loops(self, bounded):
     """The item's steps: (acc, m, l), m and l [bq] (l the row sums of exp2(s - m))."""
@@ -177,15 +134,8 @@ class ItemSteps:
       l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), wgmma.reduce(1))
     else:
       l_i = plgpu.layout_cast(jnp.zeros((bq, ROW_SUM_COLS), jnp.float32), wgmma)
-    if k.blocks.overlap:  # (BlockSizes refuses overlap with row_sum_mma, bounded_softmax)
-      assert self.ones_smem is None and not bounded
-      p = plgpu.layout_cast(jnp.zeros((bq, k.bk), k.dtype), wgmma)
-      acc, m_i, l_i, _ = st.compute_loops_overlapped(
-          self.ranges, (acc, m_i, l_i, p), self.skip, self.first, self.step_overlapped,
-          self.last)
-    else:
-      acc, m_i, l_i = st.compute_loops(self.ranges, (acc, m_i, l_i),
-                                       functools.partial(self.step, bounded=bounded))
+    acc, m_i, l_i = st.compute_loops(self.ranges, (acc, m_i, l_i),
+                                     functools.partial(self.step, bounded=bounded))
     if self.ones_smem is not None:  # every column holds the row sums
       l_i = l_i.max(axis=1)
     return acc, m_i, l_i

@@ -2,9 +2,9 @@
 
 Every kernel has the same skeleton: a CTA holds two (the forward two or three) resident tiles,
 one per compute warpgroup, and a memory warpgroup streams tiles of the other operand through
-`stages` SMEM slots with TMA. A CTA runs one such group of tiles (an item) or, persistent,
-several in turn, as a static schedule assigns them (`item_schedule`), streaming all of them
-through one ring of slots.
+`stages` SMEM slots with TMA. A CTA (at most one per SM) runs such groups of tiles (items) in
+turn, as a static schedule assigns them (`item_schedule`), streaming all of them through one
+ring of slots.
 Which streamed steps a resident tile visits is precomputed in XLA from the positions (see
 `visit_table`), so causal block skipping is exact for any positions:
 
@@ -95,11 +95,8 @@ def visit_table(row_pos: jax.Array, col_pos: jax.Array, row_block: int, col_bloc
 
 def causal_steps(n_tiles: int, tile_rows: int, n_cols: int, step_cols: int, offset: int, *,
                  causal: bool, rows_are_queries: bool) -> np.ndarray:
-  """Estimated streamed steps of each resident tile (by tile index), for `item_schedule`.
-
-  Assumes the default positions: query t at offset + t, key s at s. Without `causal`, every
-  tile visits all n_cols / step_cols steps.
-  """
+  """Estimated streamed steps per resident tile for `item_schedule`, at the default positions
+  (query t at offset + t, key s at s); without `causal`, all of them."""
   tiles = np.arange(n_tiles)
   if not causal:
     return np.full(n_tiles, -(-n_cols // step_cols))
@@ -112,34 +109,20 @@ def causal_steps(n_tiles: int, tile_rows: int, n_cols: int, step_cols: int, offs
 
 def num_sms() -> int:
   """Streaming multiprocessors of the first device (132 on the H200). In the CPU interpreter
-  there is no limit, so a persistent launch runs one tile per CTA: interpreted runs with several
-  tiles per CTA can hang on a machine with few cores."""
+  there is no limit, so each CTA runs one item: interpreted runs with several items per CTA
+  can hang on a machine with few cores."""
   if interpreted():
     return 2 ** 31 - 1
   return getattr(jax.local_devices()[0], "core_count", 132)
 
 
-def item_schedule(lengths: np.ndarray, persistent: bool) -> np.ndarray:
-  """Which CTA runs which items (resident tiles), a static table built at trace time.
-
-  One CTA per item without `persistent` (the hardware's block scheduler then starts each item,
-  in launch order, on the first free SM). With it, at most one CTA per SM (`num_sms`), and each
-  item in launch order goes to the CTA with the least work so far, by `lengths`: what the block
-  scheduler does dynamically with one CTA per item if the lengths hold, made ahead (greedy;
-  `item_coords` numbers items longest first within each batch). Items of one batch thus still
-  run at about the same time, and its keys stay in L2.
-
-  Args:
-    lengths: [n_items] estimated steps per item (`causal_steps`; only the balance depends on
-      them, not the result).
-    persistent: see above.
-
-  Returns:
-    [grid, 1 + max items per CTA] int32: per CTA its item count, then its items in order
-    (-1 padding).
-  """
+def item_schedule(lengths: np.ndarray) -> np.ndarray:
+  """Which CTA runs which items, [grid, 1 + max items per CTA] int32: per CTA its item count,
+  then its items (-1 padding). At most one CTA per SM (`num_sms`); each item in launch order
+  goes to the CTA with the least work so far by `lengths` [n_items] (estimated steps), so a
+  batch's items run at about the same time and its keys stay in L2."""
   n_items = len(lengths)
-  grid = min(n_items, num_sms()) if persistent else n_items
+  grid = min(n_items, num_sms())
   if grid == n_items:  # one item per CTA, in launch order
     return np.stack([np.ones(n_items, np.int32), np.arange(n_items, dtype=np.int32)], axis=1)
   loads = [(0.0, c) for c in range(grid)]
@@ -155,17 +138,13 @@ def item_schedule(lengths: np.ndarray, persistent: bool) -> np.ndarray:
 
 
 def launch_schedule(bsz: int, n_heads: int, n_tiles: int, steps: np.ndarray,
-                    persistent: bool, longest_last_tile: bool) -> np.ndarray:
-  """`item_schedule` of a kernel's items, numbered by `item_coords` (within a batch, rank 0
-  first; rank 0 is the last tile when `longest_last_tile`, queries resident, else tile 0).
-
-  Args:
-    steps: [n_tiles] estimated steps per tile index (`causal_steps`).
-  """
+                    longest_last_tile: bool) -> np.ndarray:
+  """`item_schedule` of a kernel's items (`item_coords`; rank 0 is the last tile when
+  `longest_last_tile`, else tile 0), from `causal_steps`' [n_tiles] `steps`."""
   ranks = np.arange(n_tiles)
   per_rank = steps[n_tiles - 1 - ranks] if longest_last_tile else steps[ranks]
   lengths = np.tile(np.repeat(per_rank, n_heads), bsz)
-  return item_schedule(lengths, persistent)
+  return item_schedule(lengths)
 
 
 # --- In the kernel: a CTA's items, and a compute warpgroup's loops over its visit ranges.
@@ -207,8 +186,7 @@ def read_ranges(tab_ref, batch, tile, wg):
 
 
 def slot_of(s, origin, stages: int):
-  """The ring slot of step s of a resident tile whose first step u_lo is the ring's step
-  `base` (`stream`): origin = u_lo - base."""
+  """The ring slot of step s; origin = u_lo - the ring's step at u_lo (`stream`)."""
   return lax.rem(s - origin, stages)
 
 
@@ -221,25 +199,6 @@ def compute_loops(ranges, carry, step):
   return carry
 
 
-def compute_loops_overlapped(ranges, carry, skip, first, step, last):
-  """`compute_loops` for a software-pipelined step whose matmul p @ v lags one step behind.
-
-  Runs skip(s, carry) over the skipped ranges, first(s, carry) at the first visible step lo,
-  step(s, carry, mode) over (lo, hi) (mode "masked" or "full"; it finishes step s - 1) and
-  last(s, carry) at s = hi - 1 (finishing it); nothing but the skips when lo == hi. The single
-  steps run as loops of zero or one trip, so the carry needs no conditional.
-  """
-  u_lo, u_hi, lo, flo, fhi, hi = ranges
-  carry = lax.fori_loop(u_lo, lo, skip, carry)
-  nxt = jnp.minimum(lo + 1, hi)
-  carry = lax.fori_loop(lo, nxt, first, carry)
-  flo, fhi = jnp.maximum(flo, nxt), jnp.maximum(fhi, nxt)
-  for start, stop, mode in ((nxt, flo, "masked"), (flo, fhi, "full"), (fhi, hi, "masked")):
-    carry = lax.fori_loop(start, stop, lambda s, c, mode=mode: step(s, c, mode), carry)
-  carry = lax.fori_loop(jnp.maximum(hi - 1, lo), hi, last, carry)
-  return lax.fori_loop(hi, u_hi, skip, carry)
-
-
 # --- The memory warpgroup: one ring of SMEM slots over all of a CTA's items.
 
 def ready_barrier(stages: int, copies_per_step: int):
@@ -248,13 +207,9 @@ def ready_barrier(stages: int, copies_per_step: int):
 
 
 def stream(u_lo, u_hi, base, stages: int, consumed, issue):
-  """Memory warpgroup, one resident tile: issue(s, slot) for s in [u_lo, u_hi).
-
-  The slots form one ring over all the tiles a CTA visits (`for_each_item`): step s is the
-  ring's step n = base + s - u_lo and goes to slot n % stages once the compute warpgroups
-  released that slot's previous step (n - stages), so the next tile's first copies are in
-  flight while the compute warpgroups finish this one. Returns the ring's next step,
-  base + u_hi - u_lo; `drain` ends the ring."""
+  """Memory warpgroup, one item: issue(s, slot) for s in [u_lo, u_hi). Step s is the ring's
+  step n = base + s - u_lo, into slot n % stages once step n - stages released it, so the next
+  item's copies overlap this one's math. Returns the ring's next step; `drain` ends it."""
   def body(s, _):
     n = base + s - u_lo
     slot = lax.rem(n, stages)
@@ -272,8 +227,7 @@ def stream(u_lo, u_hi, base, stages: int, consumed, issue):
 
 
 def drain(steps, stages: int, consumed) -> None:
-  """Memory warpgroup, after its last tile: waits for the release of the ring's last steps (of
-  `steps` in all), so every barrier phase is observed."""
+  """Memory warpgroup, at the end: waits for the release of the ring's last steps."""
   def wait(n, _):
     plgpu.barrier_wait(consumed.at[lax.rem(n, stages)])
     return None
@@ -283,18 +237,9 @@ def drain(steps, stages: int, consumed) -> None:
 
 def memory_warpgroup(for_items, stages: int, consumed, ready, visit, copies,
                      registers: int = 40):
-  """The TMA warpgroup of every kernel here. For each of the CTA's resident tiles and each
-  step s of the tile's visit range (u_lo, u_hi) = `visit(item)`, copies each (gmem source,
-  smem buffers) of `copies(item, s)` into the step's slot of one ring (`stream`), reusing a
-  slot once the compute warpgroups released it. All copies of a slot signal its `ready` barrier
-  (`ready_barrier`), so a step waits once.
-
-  Args:
-    for_items: runs carry = body(item, carry) over the CTA's items (`for_each_item`).
-    stages: ring depth; consumed, ready: per-slot barriers.
-    visit: item -> (u_lo, u_hi) int32 scalars; copies: (item, s) -> [(gmem ref, smem buffers)].
-    registers: per thread, `warpgroup_registers`' memory share.
-  """
+  """The TMA warpgroup of every kernel here: for each item (`for_items`) and step s of its
+  range `visit(item)` = (u_lo, u_hi), copies each (gmem ref, smem buffers) of `copies(item, s)`
+  into the step's slot of one ring (`stream`), all signalling the slot's `ready` barrier."""
   plgpu.set_max_registers(registers, action="decrease")
 
   def item_body(item, base):
@@ -309,14 +254,9 @@ def memory_warpgroup(for_items, stages: int, consumed, ready, visit, copies,
 
 def stream_keys(for_items, tile_of, tab_ref, gmem, smem, group: int, block_kv: int,
                 stages: int, consumed, ready, registers: int = 40):
-  """`memory_warpgroup` of the kernels with resident queries (forward, dq): for each item
-  (batch, head, tile) = `tile_of(item)`, the steps of its visit range from the visit table
-  `tab_ref`, each copying the keys' Cartesian tile, the values and the key positions.
-
-  Args:
-    gmem: (b [B, S, K, D], v [B, S, K, V], key positions [B, S]) refs; smem: their slot buffers.
-    group: query heads per kv head.
-  """
+  """`memory_warpgroup` of the kernels with resident queries (forward, dq): per step the
+  `gmem` (b [B, S, K, D], v [B, S, K, V], key positions [B, S]) rows into `smem`'s slots;
+  `group` query heads per kv head."""
   def visit(item):
     batch, _, tile = tile_of(item)
     return tab_ref[batch, tile, 0], tab_ref[batch, tile, 1]
@@ -332,61 +272,27 @@ def stream_keys(for_items, tile_of, tab_ref, gmem, smem, group: int, block_kv: i
   memory_warpgroup(for_items, stages, consumed, ready, visit, copies, registers)
 
 
-# --- The compute warpgroups: registers and the ping-pong schedule.
+# --- The compute warpgroups: registers and the ping-pong handshake.
 
 def warpgroup_registers(wgs: int) -> tuple[int, int]:
-  """32-bit registers per thread (compute warpgroups, memory warpgroup) of a kernel with `wgs`
-  compute warpgroups, set at their start (`plgpu.set_max_registers`): with 2, 232 and 40; with
-  3, 160 and 32 (FlashAttention-3's split), the 64 K registers of an SM."""
+  """Registers per thread (compute, memory warpgroup) with `wgs` compute warpgroups: the 64 K of
+  an SM split as FlashAttention-3 does."""
   return (232, 40) if wgs == 2 else (160, 32)
 
 
 def schedule_barrier(barrier) -> None:
-  """One handshake of the two compute warpgroups' ping-pong schedule (FlashAttention-3, Shah et
-  al. 2024, §3.1): each passes only when the other has arrived too, so one warpgroup's softmax
-  overlaps the other's matmuls. `barrier` has COMPUTE_WGS arrivals."""
+  """One handshake of the two compute warpgroups' ping-pong (FlashAttention-3 §3.1): each passes
+  when the other arrived, so one's softmax overlaps the other's matmuls."""
   with jax.named_scope("handshake"):
     plgpu.barrier_arrive(barrier)
     plgpu.barrier_wait(barrier)
 
 
-class RingSchedule:
-  """The ping-pong schedule of `wgs` >= 2 compute warpgroups as a ring (FlashAttention-3, Shah et
-  al. 2024, §3.1, its warp-scheduler barriers): warpgroup i issues its QKᵀ of a step only after
-  warpgroup i - 1 (mod wgs) issued its own, so the tensor cores take the warpgroups' matmuls in
-  turn while the others run their softmaxes. `turns` holds one barrier per warpgroup, one
-  arrival each.
-
-  Every warpgroup takes the same number of turns over a run of ring steps (skipped steps take
-  theirs too): the last warpgroup opens the run (`start`), the first one closes it (`end`),
-  which consumes the last warpgroup's final pass, so each barrier's phases are waited in order.
-  """
-
-  def __init__(self, turns, wg, wgs: int):
-    self.turns, self.wg, self.wgs = turns, wg, wgs
-
-  def wait(self):
-    """Before issuing this step's QKᵀ."""
-    with jax.named_scope("handshake"):
-      plgpu.barrier_wait(self.turns.at[self.wg])
-
-  def pass_on(self):
-    """After issuing it: the next warpgroup's turn."""
-    plgpu.barrier_arrive(self.turns.at[lax.rem(self.wg + 1, self.wgs)])
-
-  def start(self):
-    pl.when(self.wg == self.wgs - 1)(lambda: plgpu.barrier_arrive(self.turns.at[0]))
-
-  def end(self):
-    pl.when(self.wg == 0)(self.wait)
-
-
 # --- SMEM budget, platform and compiler settings.
 
 def smem_bytes(scratch) -> int:
-  """SMEM bytes of a kernel's scratch (a pytree of SMEM buffers and barriers), each buffer and
-  barrier array rounded up to Pallas' 1024-byte alignment: an upper bound (Pallas packs the
-  barriers more tightly)."""
+  """An upper bound on the SMEM bytes of a scratch pytree (each buffer and barrier array
+  rounded up to Pallas' alignment)."""
   sizes = [math.prod(buf.shape) * jnp.dtype(buf.dtype).itemsize if isinstance(
       buf, pallas_mgpu_core.GPUMemoryRef) else 8 * math.prod(buf.num_barriers)
            for buf in jax.tree.leaves(scratch)]
@@ -394,35 +300,37 @@ def smem_bytes(scratch) -> int:
 
 
 def smem_limit() -> int:
-  """SMEM per CTA of the first device: 227 KiB on Hopper, also where none can be queried (the
-  interpreter), as in Mosaic GPU."""
+  """SMEM per CTA of the first device (227 KiB on Hopper, and in the interpreter)."""
   return getattr(jax.local_devices()[0], "shared_memory_per_block_optin", 227 * 1024)
 
 
 def check_smem(scratch, kernel: str, hint: str) -> None:
-  """Raises ValueError, naming the kernel and what to lower (`hint`), when its scratch does
-  not fit in SMEM (`smem_bytes` against `smem_limit`)."""
+  """Raises ValueError naming the kernel and `hint` where its scratch does not fit in SMEM."""
   need, limit = smem_bytes(scratch), smem_limit()
   if need > limit:
     raise ValueError(f"The PoPE {kernel} kernel's SMEM buffers need about {need} bytes, more "
                      f"than the {limit} available: {hint}")
 
 
+def launch(body, out_type, scratch, *, ctas: int, compute_wgs: int):
+  """`plgpu.kernel` of a body with `compute_wgs` compute warpgroups and one memory warpgroup."""
+  return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(ctas,),
+                      grid_names=("cta",), num_threads=compute_wgs + 1, thread_name="wg",
+                      compiler_params=compiler_params())
+
+
 def interpreted() -> bool:
   return jax.default_backend() != "gpu"
 
 
-# Set, this environment variable turns on the Mosaic GPU profiler in every kernel compiled
-# afterwards: each warpgroup records the start and end of the kernels' named scopes (query map,
-# waits, QKᵀ, softmax, PV, handshakes, ...) and each call writes a Perfetto trace into the
-# directory (`experiments.trace_attention` summarises it). It changes the timing a little.
+# Set, the Mosaic GPU profiler records the named scopes of every kernel compiled afterwards into
+# a Perfetto trace per call in this directory (`experiments.trace_attention` summarises it).
 PROFILE_DIR_ENV = "POPE_KERNEL_PROFILE_DIR"
 PROFILE_SPACE = 512  # scopes recorded per warpgroup and call; later ones are dropped
 
 
 def compiler_params() -> plgpu.CompilerParams:
-  """Mosaic GPU compiler settings of every kernel here (approximate exp2/log on the GPU; the
-  profiler when PROFILE_DIR_ENV is set)."""
+  """Mosaic GPU settings of every kernel here (approximate math; the profiler, PROFILE_DIR_ENV)."""
   profile_dir = os.environ.get(PROFILE_DIR_ENV, "")
   return plgpu.CompilerParams(approx_math=True, profile_dir=profile_dir,
                               profile_space=PROFILE_SPACE if profile_dir else 0,
@@ -449,9 +357,7 @@ def tile_transforms(width: int = 64):
 
 # --- The magnitude map (PoPE Eq. 3).
 
-# log1p(e) = e·P(e) on e in [0, 1], P of degree 6 with P(0) = 1 (`softplus`): fitted to the
-# relative error; evaluated in float32 by Horner's rule, within 1.6e-6 of log1p relatively
-# (1.1e-6 absolutely) over the whole interval.
+# log1p(e) = e·P(e) on [0, 1], P of degree 6 with P(0) = 1, fitted to the relative error.
 _LOG1P_COEFFS = (1.0, -0.49990746, 0.33140427, -0.23611341, 0.15102765, -0.06785116,
                  0.014588303)
 # `softplus`'s relative error bound against the exact softplus, every float32 x.
@@ -459,15 +365,9 @@ SOFTPLUS_RTOL = 2e-6
 
 
 def softplus(x):
-  """μ = softplus(x) as max(x, 0) + log1p(exp(-|x|)), float32, with log1p(e) a polynomial in
-  e (`_LOG1P_COEFFS`): the fused kernels' magnitude map (PoPE Eq. 3), in the forward kernel's
-  query map and in the key map's XLA pass.
-
-  Six FMAs where XLA's log runs a longer libdevice sequence, so the key map's XLA pass runs
-  near its memory floor. Within 1.6e-6 of softplus relatively for every x (`SOFTPLUS_RTOL`;
-  P(0) = 1, so tiny μ keep their relative precision, which log(1 + e) loses below x of about
-  -17), far below bf16/fp16 rounding.
-  """
+  """μ = softplus(x) = max(x, 0) + log1p(exp(-|x|)) in float32 with log1p(e) = e·P(e)
+  (`_LOG1P_COEFFS`; six FMAs, so the key map runs at memory speed): the kernels' magnitude map
+  (PoPE Eq. 3), within SOFTPLUS_RTOL relatively for every x, tiny μ included."""
   x = x.astype(jnp.float32)
   e = jnp.exp(-jnp.abs(x))
   poly = _LOG1P_COEFFS[-1]

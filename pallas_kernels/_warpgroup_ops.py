@@ -1,6 +1,6 @@
 """Compute-warpgroup operations whose GPU and CPU-interpreter paths differ.
 
-On the GPU: wgmma matmuls (fresh, accumulating, two in flight, and the backward's gradient step)
+On the GPU: wgmma matmuls (fresh, accumulating, and the backward's gradient step)
 and a lane vote; in the CPU interpreter (`_streaming.interpreted`), which has no register-operand
 wgmma, no `run_state` and no warp vote, the same values computed in turn with jnp.
 
@@ -22,13 +22,9 @@ from pallas_kernels import _streaming as st
 
 
 def matmul(a, b, shape, then=None) -> jax.Array:
-  """a @ b on the tensor cores (wgmma) into a fresh float32 accumulator of `shape`.
-
-  a is an SMEM ref or a register value, b an SMEM ref. `then()`, if given, runs after the
-  wgmma is issued and before its result is awaited (the ping-pong schedule barrier). The CPU
-  interpreter's wgmma takes only SMEM operands, so there a register lhs is multiplied with
-  jnp.dot (float32 accumulation).
-  """
+  """a @ b (wgmma; a an SMEM ref or registers, b an SMEM ref) into a fresh float32 `shape`;
+  `then()` runs between issue and wait (the ping-pong handshake). The interpreter multiplies a
+  register lhs with jnp.dot."""
   if st.interpreted() and not isinstance(a, state.AbstractRef | state.TransformedRef):
     out = jnp.dot(a, b[...], preferred_element_type=jnp.float32)
     if then is not None:
@@ -49,8 +45,7 @@ def matmul_acc(acc: jax.Array, a, b) -> jax.Array:
 
 
 def matmul_accs(accs, a, bs) -> tuple:
-  """acc + a @ b for each (acc, b) of zip(accs, bs): wgmmas of one lhs a (SMEM ref or register
-  value), all issued before any is awaited. The CPU interpreter computes them in turn."""
+  """acc + a @ b for each (acc, b) of zip(accs, bs), all issued before any is awaited."""
   if st.interpreted():  # The interpreter does not implement run_state.
     return tuple(acc + matmul(a, b, acc.shape) for acc, b in zip(accs, bs))
 
@@ -60,62 +55,19 @@ def matmul_accs(accs, a, bs) -> tuple:
   return tuple(pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc in accs)))
 
 
-def matmul_overlapped(a, b, shape, acc: jax.Array, p, v, during, then=None):
-  """a @ b and acc + p @ v in flight together; `during(a @ b)` runs while p @ v is.
-
-  FlashAttention-3's intra-warpgroup overlap (Shah et al. 2024, §3.2, Alg. 2): both wgmmas are
-  issued, the first is awaited (in-order completion: at most one group left in flight), and
-  `during` works on its result in registers while the tensor cores finish the second.
-
-  Args:
-    a, b: operands of the first product (as in `matmul`); shape: its [M, N] shape.
-    acc: [M, V] float32 accumulator; p: register lhs, v: SMEM rhs of the second product.
-    during: function of the float32 [M, N] first product, run before the second is awaited.
-    then: if given, runs after both wgmmas are issued (the ping-pong schedule barrier).
-
-  Returns:
-    (during(a @ b), acc + p @ v). The CPU interpreter computes the two products in turn.
-  """
-  if st.interpreted():
-    res = during(matmul(a, b, shape, then=then))
-    return res, matmul_acc(acc, p, v)
-
-  def run(s_ref, o_ref):
-    o_ref[...] = acc
-    plgpu.wgmma(s_ref, a, b)
-    plgpu.wgmma(o_ref, p, v)
-    if then is not None:
-      then()
-    res = during(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
-    return res, o_ref[...]
-  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32), plgpu.ACC(acc.shape, jnp.float32))
-
-
 def gradient_step(scores, dscores, probs, ds_of, p_terms, ds_terms, dtype, *, overlap: bool):
-  """One streamed step of a flash-attention backward kernel (FlashAttention-2, Dao 2023, Alg. 2).
-
-  S = scores' lhs @ rhs, P = probs(S), dP = dscores' lhs @ rhs and dS = ds_of(P, dP) (float32
-  tiles); each (acc, rhs) of `p_terms` becomes acc + P @ rhs and each of `ds_terms` acc + dS @
-  rhs, with P and dS cast to `dtype` (register operands). dP is computed only when `ds_terms`
-  is not empty.
-
-  In order (`overlap` False; also on the CPU interpreter) each wgmma is awaited before the
-  next. With `overlap`, the order of FlashAttention-3's backward (Shah et al. 2024; its Hopper
-  backward main loop, flash-attention `hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp`): S and dP
-  are issued together and P is computed while dP is on the tensor cores; P's updates are
-  issued before dP is awaited, so they run while dS is computed; S and dP are awaited as
-  needed (leaving the later wgmmas in flight), the updates once, at the end. Both score tiles
-  are live at once (register pressure: two [M, N] float32 tiles).
+  """One streamed step of a flash-attention backward (FlashAttention-2, Alg. 2): S, P = probs(S),
+  dP (only with `ds_terms`), dS = ds_of(P, dP); each (acc, rhs) of `p_terms` becomes acc + P @
+  rhs and of `ds_terms` acc + dS @ rhs (P, dS cast to `dtype`). Each wgmma is awaited in turn,
+  or with `overlap` (not in the interpreter) in FlashAttention-3's backward order: S and dP
+  issued together, P's updates in flight while dS is computed (two float32 score tiles live).
 
   Args:
-    scores, dscores: (lhs, rhs, [M, N] shape) of S and dP; SMEM operands.
-    probs: float32 [M, N] S -> float32 P; ds_of: (P, dP) -> float32 dS.
-    p_terms, ds_terms: tuples of (float32 accumulator [M, W], SMEM rhs [N, W]).
-    dtype: dtype of the register operands P and dS.
-    overlap: the FlashAttention-3 order above.
+    scores, dscores: (lhs, rhs, [M, N]) SMEM operands of S and dP.
+    probs, ds_of: float32 tile maps; p_terms, ds_terms: ((float32 [M, W], SMEM rhs [N, W]), ...).
 
   Returns:
-    (the updated accumulators of p_terms, those of ds_terms), two tuples.
+    (p_terms' updated accumulators, ds_terms'), two tuples.
   """
   if not overlap or st.interpreted():
     p = probs(matmul(*scores))
@@ -154,14 +106,9 @@ def gradient_step(scores, dscores, probs, ds_of, p_terms, ds_terms, dtype, *, ov
 
 
 def warp_any(flags: jax.Array) -> jax.Array:
-  """Whether any row of `flags` ([rows] bool, WGMMA row layout) held by this thread's warp is
-  set: a scalar bool, uniform within each warp (the lanes' vote, `vote.sync.any`), that may
-  differ between the warps of a warpgroup, for a `lax.cond` whose branches hold no
-  warpgroup-wide operation (wgmma, barriers). The CPU interpreter runs a warpgroup as one
-  program and takes the OR over all rows, which callers must accept as well (a branch taken
-  where the warp's vote alone would have skipped it). The result is declared `WG_SPLAT` (one
-  value per warpgroup) but is only uniform per warp: nothing may rely on it agreeing across
-  the warpgroup's warps."""
+  """Whether any row of `flags` ([rows] bool, WGMMA row layout) in this warp is set (a lane
+  vote): uniform per warp only, though declared WG_SPLAT, so only for a `lax.cond` without
+  warpgroup-wide operations. The interpreter ORs over all rows."""
   if st.interpreted():
     return jnp.any(flags)
 

@@ -1,28 +1,19 @@
 """Fused PoPE attention on Hopper GPUs (Pallas Mosaic GPU), forward and backward.
 
-PoPE (arXiv 2509.10534, Eq. 5/6) scores a_ts = Σ_c μq_tc μk_sc cos((s - t)θ_c + δ_c) with
-μ = softplus, θ_c = base^(-c/H). Written as a dot product of 2H-wide Cartesian vectors,
-  q'_t = [μq cos(tθ - δ), μq sin(tθ - δ)],  k'_s = [μk cos sθ, μk sin sθ],
-it is ordinary attention over width 2H. The keys are mapped to that form in one fused XLA pass
-(`key_map`, from float32 cos/sin of the angles, bf16/fp16 result); the forward kernel reads the
-raw queries and maps each query tile itself (the scale and log2(e) folded into q'; at H <= 64
-from float16 cos/sin tables of the angles, `query_table`), saving the result for the backward
-kernels when differentiated. Both tables depend on the positions alone: with concrete positions
-they are trace-time constants (`_positions`, up to MAX_CONSTANT_TABLE_BYTES). The
-flash-attention kernels of `pope_attention_fwd` / `pope_attention_bwd` run under a
-`jax.custom_vjp`. The backward kernels map their results through the Cartesian maps' VJP
-themselves (from a and b, `pope_attention_bwd.cartesian_vjp`): the dq kernel returns
-dq and the angles' gradient, whose sum over batch and positions is δ's (for bf16; for fp16
-XLA maps the dq kernel's result, see `_query_vjp_in_kernel`); the dk/dv kernel returns dk.
+PoPE (arXiv 2509.10534, Eq. 5/6) scores a_ts = Σ_c μq_tc μk_sc cos((s - t)θ_c + δ_c), μ =
+softplus, θ_c = base^(-c/H): ordinary attention over the 2H-wide Cartesian vectors
+  q'_t = [μq cos(tθ - δ), μq sin(tθ - δ)],  k'_s = [μk cos sθ, μk sin sθ].
+The keys are mapped in one XLA pass (`key_map`); the forward kernel maps each query tile itself
+and saves it for the backward kernels, which apply the maps' VJP in their epilogues
+(`pope_attention_bwd.cartesian_vjp`; for fp16 XLA maps dq, `_query_vjp_in_kernel`). Tables that
+depend on the positions alone are trace-time constants for concrete positions (`_positions`).
 
-Supported: bf16/fp16 inputs with float32 accumulation, H in {32, 64, 128}, V <= 128, GQA
-(N % K == 0), any sequence lengths (zero-padded internally), query and key positions of shape
-[T]/[S] or [B, T]/[B, S] with |position| < 2**24, causal (k_pos[s] <= q_pos[t]) or not. Query
-rows with no visible key return zeros. Runs on Hopper GPUs, and on CPU in the Mosaic GPU
-interpreter (`plgpu.force_gpu_interpret_mode()`, for tests; on machines with few cores set
-XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false, or it can hang, as
-tests/conftest.py does). Positions, θ and the clamped δ come from the caller
-(`pope_jax.attention`); this package imports nothing of `pope_jax`.
+Supported: bf16/fp16 inputs, float32 accumulation, H in {32, 64, 128}, V <= 128, GQA, any
+lengths (zero-padded), positions [T]/[S] or [B, T]/[B, S] with |position| < 2**24, causal
+(k_pos[s] <= q_pos[t]) or not; rows with no visible key return zeros. Runs on Hopper GPUs and in
+the Mosaic GPU interpreter on CPU (tests; set XLA_FLAGS=
+--xla_cpu_enable_concurrency_optimized_scheduler=false on few cores, as tests/conftest.py does).
+Positions, θ and the clamped δ come from `pope_jax.attention`; nothing of `pope_jax` is imported.
 
 Shape letters: B batch, T query length, S key length, N query heads, K kv heads, H head dim,
 V value head dim.
@@ -31,6 +22,7 @@ V value head dim.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 
@@ -41,32 +33,25 @@ import numpy as np
 from pallas_kernels import _streaming as st
 from pallas_kernels.pope_attention_bwd import pope_attention_dkv, pope_attention_dq
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
-from pallas_kernels.pope_attention_fwd import (BOUNDED_SCORE_LIMIT, TABLE_DTYPE,
-                                               bounded_softmax, pope_attention_fwd,
-                                               use_query_tables, resolve_forward)
+from pallas_kernels.pope_attention_fwd import (BOUNDED_SCORE_LIMIT, TABLE_DTYPE, ForwardPlan,
+                                               plan_forward, pope_attention_fwd)
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
-# Wider values overflow the 227 KB of SMEM per CTA at the default blocks (e.g. H = 128, V = 192:
-# 270 KB in the forward). Measured on the H200: V = H at every H, H = 32 / 64 with V = 96 and
-# H = 128 with V = 64.
+# Wider values overflow SMEM at the default blocks (H = 128, V = 192: 270 KB in the forward).
 MAX_VALUE_DIM = 128
 _LOG2E = 1.0 / math.log(2.0)
 
 
 def is_supported(q, k, v) -> bool:
-  """Whether the kernel runs these operands (arrays or `jax.ShapeDtypeStruct`s); see
-  `unsupported_reason`. The platform is `platform_reason`'s."""
+  """Whether the kernel runs these operands (arrays or `jax.ShapeDtypeStruct`s)."""
   return unsupported_reason(q, k, v) is None
 
 
 def unsupported_reason(q, k, v) -> str | None:
-  """Why the kernel cannot run these operands, or None if it can.
-
-  q [B, T, N, H], k [B, S, K, H], v [B, S, K, V]: one dtype in SUPPORTED_DTYPES, H in
-  SUPPORTED_HEAD_DIMS, V <= MAX_VALUE_DIM, one batch, N a multiple of K; and `jax_enable_x64`
-  off (the kernels' index arithmetic is int32).
-  """
+  """Why the kernel cannot run q [B, T, N, H], k [B, S, K, H], v [B, S, K, V], or None: one
+  dtype of SUPPORTED_DTYPES, H in SUPPORTED_HEAD_DIMS, V <= MAX_VALUE_DIM, N % K == 0, and
+  `jax_enable_x64` off (int32 index arithmetic)."""
   if jax.config.jax_enable_x64:
     return ("pallas PoPE attention runs with jax_enable_x64 off (its index arithmetic is "
             "int32); use implementation='xla' under x64, or jax.enable_x64(False) around it")
@@ -95,16 +80,16 @@ def _mismatch_message(q, k, v) -> str:
 
 
 def _check(q, k, v) -> None:
-  """Raises ValueError for q, k, v that do not agree, NotImplementedError for operands the
-  kernel does not take (`unsupported_reason`)."""
+  """Raises ValueError for q, k, v that do not agree, else NotImplementedError for operands
+  the kernel does not take."""
   reason = unsupported_reason(q, k, v)
   if reason is not None:
     raise (ValueError if reason == _mismatch_message(q, k, v) else NotImplementedError)(reason)
 
 
 def platform_reason() -> str | None:
-  """Why the kernel cannot run on this platform, or None: it runs on NVIDIA Hopper GPUs (sm90),
-  and on CPU in the Mosaic GPU interpreter (`plgpu.force_gpu_interpret_mode()`, for tests)."""
+  """Why the kernel cannot run here, or None: Hopper GPUs (sm90) and the Mosaic GPU
+  interpreter (`plgpu.force_gpu_interpret_mode()`) run it."""
   try:  # The interpreter switch has no public getter; read the config it sets.
     from jax._src import config as jax_config
     if jax_config.pallas_tpu_interpret_mode_context_manager.value is not None:
@@ -125,28 +110,41 @@ def _pad_to(x, length: int, axis: int, value=0):
   return jnp.pad(x, pad, constant_values=value)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """The kernels' static schedule, resolved once per call (`_plan`) and passed down."""
+  blocks: BlockSizes
+  inference: ForwardPlan  # the forward without saving a
+  training: ForwardPlan   # the forward saving a for the backward
+
+  def forward(self, save_a: bool) -> ForwardPlan:
+    return self.training if save_a else self.inference
+
+
+def _plan(blocks: BlockSizes, h: int, value_dim: int, dtype) -> _Plan:
+  vd = -(-value_dim // 64) * 64
+  return _Plan(blocks, *(plan_forward(blocks, h, vd, dtype, save_a) for save_a in (False, True)))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12, 13))
 def _flash(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, tables,
-           blocks: BlockSizes, magnitude_scale: float, cartesian_map):
+           plan: _Plan, magnitude_scale: float, cartesian_map):
   return _forward(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, tables,
-                  blocks, magnitude_scale, save_a=False)[1][0]
+                  plan.inference, magnitude_scale)[1][0]
 
 
 def tile_score_bound(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
-  """An upper bound on |score| · `magnitude_scale` over each query tile of `tile_rows` rows and
-  all keys of its kv head, [B, N, T / tile_rows] float32 (log2 units for the kernel's scale).
+  """An upper bound on |score| · `magnitude_scale` per query tile of `tile_rows` rows (the last
+  may hold fewer) over all keys of its kv head, [B, N, ceil(T / tile_rows)] float32.
 
-  The Cartesian PoPE vectors have the magnitudes' norms, |q'_t| = |softplus(q_t)| (PoPE Eq.
-  7-10), so by Cauchy-Schwarz every score is bounded: |a_ts| <= scale · max_t |softplus(q_t)|
-  · max_s |softplus(k_s)|, the maxima over the tile's rows and over all keys of the kv head,
-  for any positions and phase. Elementwise 0 < softplus(x) <= max(x, 0) + log 2, which bounds
-  the norms without a transcendental per element (two reductions over q and k, at memory speed).
+  |q'_t| = |softplus(q_t)| (PoPE Eq. 7-10), so by Cauchy-Schwarz |a_ts| <= max_t |softplus(q_t)|
+  · max_s |softplus(k_s)| for any positions and phase; softplus(x) <= max(x, 0) + log 2 bounds
+  the norms without a transcendental per element.
 
   Args:
-    q: [B, T, N, H] raw queries; k: [B, S, K, H] raw keys, N a multiple of K (query head n
-      reads kv head n // (N / K)).
-    magnitude_scale: the factor of the scores (for the kernel, the logit scale times log2 e).
-    tile_rows: query rows per tile; the last tile may hold fewer than tile_rows.
+    q: [B, T, N, H] raw queries; k: [B, S, K, H] raw keys (N % K == 0).
+    magnitude_scale: the scores' factor (the kernel's: logit scale times log2 e).
+    tile_rows: query rows per tile.
   """
   bsz, t_len, n_heads, _ = q.shape
   kv_heads = k.shape[2]
@@ -161,130 +159,82 @@ def tile_score_bound(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
 
 
 def forward_tile_rows(blocks: BlockSizes, head_dim: int, value_dim: int, dtype) -> int:
-  """Query rows per CTA of the forward kernel (its resident tile group, the unit of
-  `bounded_tiles`): `block_q` times the compute warpgroups (`resolve_forward`; 192 at
-  the default blocks of H <= 64 where three fit, else 128)."""
-  blocks = resolve_forward(blocks, head_dim, -(-value_dim // 64) * 64, dtype)
-  return blocks.forward_warpgroups * blocks.block_q
+  """Query rows per CTA item of the forward kernel, the unit of `bounded_tiles`: `block_q`
+  times the compute warpgroups (192 at the default blocks of H <= 64 where three fit)."""
+  return _plan(blocks, head_dim, value_dim, dtype).inference.tile_rows
 
 
 def bounded_tiles(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
-  """Which resident query tiles of the forward have every score within
-  ±`pope_attention_fwd.BOUNDED_SCORE_LIMIT`, [B, N, ceil(T / tile_rows)] int32 (1 = bounded):
-  those whose `tile_score_bound` (log2 units) is at most the limit. Such tiles take the softmax
-  without a running max (`BlockSizes.bounded_softmax`).
-
-  Args:
-    q: [B, T, N, H] raw queries; k: [B, S, K, H] raw keys.
-    magnitude_scale: the factor of the scores (logit scale times log2 e: log2 units).
-    tile_rows: query rows per tile.
-  """
+  """[B, N, ceil(T / tile_rows)] int32, 1 where `tile_score_bound` is within
+  BOUNDED_SCORE_LIMIT: the tiles that take the softmax without a running max
+  (`BlockSizes.bounded_softmax`). Arguments as `tile_score_bound`'s."""
   bound = tile_score_bound(q, k, magnitude_scale, tile_rows)
   return (bound <= BOUNDED_SCORE_LIMIT).astype(jnp.int32)
 
 
-def _forward(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, tables, blocks,
-             magnitude_scale, *, save_a):
-  """The key map (`key_map`, one XLA pass), zero-padded to the values' length, then the forward
-  kernel. Without `bounded_softmax` the kernel takes no bounded flags (an all-zero constant
-  cost an XLA kernel per call that broadcast it)."""
+def _forward(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, tables,
+             plan: ForwardPlan, magnitude_scale):
+  """The key map (`key_map`), zero-padded to the values' length, then the forward kernel (with
+  bounded flags only under `bounded_softmax`)."""
   b = _pad_to(key_map(k, k_trig), v.shape[1], 1)
-  tile_rows = blocks.forward_warpgroups * blocks.block_q  # (blocks as `resolve_forward` gives)
   bounded = None
-  if bounded_softmax(blocks, q.dtype):
+  if plan.bounded:
     bounded = bounded_tiles(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), magnitude_scale,
-                            tile_rows)
-  rot, trig = query_angles(freqs, phase, angle_pos, q_table, tables=use_query_tables(
-      blocks, q.shape[-1], v.shape[-1], q.dtype, save_a))
+                            plan.tile_rows)
+  rot, trig = query_angles(freqs, phase, angle_pos, q_table, tables=plan.tables)
   return b, pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, *tables[0], bounded,
-                               blocks=blocks, magnitude_scale=magnitude_scale, save_a=save_a)
+                               plan=plan, magnitude_scale=magnitude_scale)
 
 
 def query_table(angle_pos, freqs):
-  """cos(pos·θ) and sin(pos·θ) of the query angles for `BlockSizes.query_tables`.
-
-  Args:
-    angle_pos: [B or 1, T] float32 query angle positions; freqs: [H] float32 θ.
-
-  Returns:
-    [2, B or 1, T, H] in `TABLE_DTYPE` (the angles pos·θ in float32). A position operand
-    (`_angle_tables`): a trace-time constant when the positions are concrete (`_positions`),
-    else one small XLA pass over T·H per call (not over the heads).
-  """
+  """cos(pos·θ), sin(pos·θ) [2, B or 1, T, H] in `TABLE_DTYPE` (pos·θ in float32) from
+  angle_pos [B or 1, T] float32 and freqs [H] float32 θ (`BlockSizes.query_tables`)."""
   ang = angle_pos[:, :, None] * freqs
   return jnp.stack([jnp.cos(ang), jnp.sin(ang)]).astype(TABLE_DTYPE)
 
 
 def key_table(k_positions, freqs):
-  """[cos sθ, sin sθ] of the keys' angles, the factor of the key map (`key_map`).
-
-  Args:
-    k_positions: [S] or [B, S] key positions (integer or float32); freqs: [H] float32 θ.
-
-  Returns:
-    [B or 1, S, 1, 2H] float32 (the angles sθ, one float32 product each). A position
-    operand (`_angle_tables`): a trace-time constant when the positions are concrete
-    (`_positions`), so the key map is then one XLA pass with no trigonometry; else one small
-    pass over S·H per call.
-  """
+  """[cos sθ, sin sθ] [B or 1, S, 1, 2H] float32 (sθ one float32 product) from k_positions
+  [S] or [B, S] and freqs [H] float32 θ: the factor of `key_map`."""
   pos = k_positions.astype(jnp.float32)
   ang = (pos if pos.ndim == 2 else pos[None])[:, :, None, None] * freqs[None, None]
   return jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=-1)
 
 
 def key_map(k, k_trig):
-  """The Cartesian keys b = [μk cos sθ, μk sin sθ] (PoPE Eq. 7-10 without a phase, which sits
-  on the queries; `encodings.polar_to_cartesian`), μk = softplus(k) in the kernels' form
-  (`_streaming.softplus`), one XLA pass over the keys. Forward only: the dk/dv kernel applies
-  the map's VJP itself (`pope_attention_bwd.cartesian_vjp`).
-
-  Args:
-    k: [B, S, K, H] raw keys, bf16/fp16; k_trig: their `key_table`, [B or 1, S, 1, 2H] float32.
-
-  Returns:
-    [B, S, K, 2H] in k's dtype.
-  """
+  """The Cartesian keys b = [μk cos sθ, μk sin sθ] (PoPE Eq. 7-10; the phase sits on the
+  queries), μk = `_streaming.softplus`(k), [B, S, K, 2H] in k's dtype, from k [B, S, K, H]
+  and its `key_table`. Forward only: the dk/dv kernel applies the map's VJP."""
   mag = st.softplus(jnp.concatenate([k, k], axis=-1))
   return (mag * k_trig).astype(k.dtype)
 
 
 def query_angles(freqs, phase, angle_pos, q_table, *, tables: bool):
-  """The forward kernel's query-angle operands (`pope_attention_fwd`'s rot and trig).
-
-  Args:
-    freqs: [H] float32 θ; phase: [N, H] float32 query phase -δ; angle_pos: [B or 1, T] float32
-      query angle positions; q_table: their `query_table`, or None without
-      `BlockSizes.query_tables`.
-    tables: `pope_attention_fwd.use_query_tables`: the angles as q_table, with the phase as its
-      cos and sin [N, H]; else θ, -δ and the positions, the kernel computing cos and sin per
-      element.
-
-  Returns:
-    (rot, trig): rot a pair of arrays, trig one array.
-  """
+  """`pope_attention_fwd`'s (rot, trig): with `tables` (cos -δ, sin -δ) [N, H] and q_table
+  (`query_table`), else (θ [H], -δ [N, H]) and angle_pos [B or 1, T] float32."""
   if not tables:
     return (freqs, phase), angle_pos
   return (jnp.cos(phase), jnp.sin(phase)), q_table
 
 
 def _query_vjp_in_kernel(dtype) -> bool:
-  """Whether the dq kernel applies the query map's VJP (`cartesian_vjp`), returning dq and the
-  angles' gradient dφ in q's dtype. Not for fp16: dφ ∝ da·a underflows its range where the raw
-  queries are below about -6 (the phase gradient, dφ's sum, lost up to 13 % there on CPU),
-  so there the kernel returns da and XLA maps it in float32 (the caller's `cartesian_map`)."""
+  """Whether the dq kernel applies the query map's VJP (returning dq and dφ in q's dtype). Not
+  for fp16, whose range loses dφ ∝ da·a for raw queries below about -6 (13 % of δ's gradient):
+  there XLA maps the kernel's da in float32 (the caller's `cartesian_map`)."""
   return jnp.dtype(dtype) != jnp.dtype(jnp.float16)
 
 
-def _flash_fwd(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, tables, blocks,
+def _flash_fwd(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, tables, plan,
                magnitude_scale, cartesian_map):
   b, (out, lse, a) = _forward(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos,
-                              tables, blocks, magnitude_scale, save_a=True)
+                              tables, plan.training, magnitude_scale)
   query = () if _query_vjp_in_kernel(q.dtype) else (q, phase)  # for the map's VJP in XLA
   key_len = jnp.zeros((k.shape[1], 0), jnp.int8)  # k's length S, without keeping k_trig
   return out, (a, b, v, freqs, angle_pos, key_len, q_pos, k_pos, tables, out, lse, query)
 
 
-def _flash_bwd(blocks, magnitude_scale, cartesian_map, res, d_out):
+def _flash_bwd(plan, magnitude_scale, cartesian_map, res, d_out):
+  blocks = plan.blocks
   a, b, v, freqs, angle_pos, key_len, q_pos, k_pos, tables, out, lse, query = res
   delta = jnp.einsum("btnv,btnv->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
   d_out = d_out.astype(a.dtype)
@@ -325,29 +275,25 @@ def _flash_bwd(blocks, magnitude_scale, cartesian_map, res, d_out):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _resident_blocks(blocks: BlockSizes) -> tuple[tuple[int, int, bool, int], ...]:
+def _resident_blocks(plan: _Plan) -> tuple[tuple[int, int, bool, int], ...]:
   """Per kernel (forward, dq, dk/dv): its resident and streamed tile sizes, whether the
-  resident tiles are queries, and its compute warpgroups (`blocks` as `resolve_forward`
-  returns them)."""
-  return ((blocks.block_q, blocks.block_kv, True, blocks.forward_warpgroups),
+  resident tiles are queries, and its compute warpgroups."""
+  blocks = plan.blocks
+  return ((blocks.block_q, blocks.block_kv, True, plan.inference.warpgroups),
           (blocks.block_q_dq, blocks.block_kv_dq, True, st.COMPUTE_WGS),
           (blocks.block_kv_dkv, blocks.block_q_dkv, False, st.COMPUTE_WGS))
 
 
-@functools.partial(jax.jit, static_argnames=("batch", "t_len", "s_len", "is_causal", "blocks"))
+@functools.partial(jax.jit, static_argnames=("batch", "t_len", "s_len", "is_causal", "plan"))
 def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_len: int,
-                       is_causal: bool, blocks: BlockSizes):
-  """What the kernels take from the positions alone, but for the angle tables
-  (`_angle_tables`): the float32 query angle positions, [1, T_pad] for [T] positions, else
-  [B, T_pad]; the float32 key positions in their [S] / [B, S] shape, unpadded (for
-  `key_table`: `_forward` maps and pads the keys); the masking positions with padding
-  sentinels, [B, T_pad] and [B, S_pad]; and per kernel (`_resident_blocks`) the visit table,
-  which streamed steps each resident tile sees (`st.visit_table`, exact for any positions).
-  `pope_attention` evaluates this at trace time when the positions are concrete (the defaults,
-  or arrays that are not traced), so a call then runs no kernels for it."""
+                       is_causal: bool, plan: _Plan):
+  """What the kernels take from the positions alone but the angle tables: float32 query angle
+  positions [1 or B, T_pad], key positions [S] / [B, S] unpadded (for `key_table`), masking
+  positions with padding sentinels [B, T_pad], [B, S_pad], and per kernel the visit table
+  (`st.visit_table`, exact for any positions). Evaluated at trace time for concrete positions."""
   q_pos = jnp.broadcast_to(jnp.asarray(q_positions), (batch, t_len)).astype(jnp.float32)
   k_pos = jnp.broadcast_to(jnp.asarray(k_positions), (batch, s_len))
-  mult = blocks.seq_multiple
+  mult = plan.blocks.seq_multiple
   t_pad, s_pad = -(-t_len // mult) * mult, -(-s_len // mult) * mult
   q_angle = jnp.asarray(q_positions).astype(jnp.float32)
   angle_pos = jax.lax.stop_gradient(_pad_to(q_angle.reshape(-1, t_len), t_pad, 1))
@@ -358,32 +304,27 @@ def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_le
   qp, kp = jax.lax.stop_gradient(qp), jax.lax.stop_gradient(kp)
   visits = tuple(st.visit_table(*((qp, kp) if queries else (kp, qp)), row_block, col_block,
                                 rows_are_queries=queries, wgs=wgs)
-                 for row_block, col_block, queries, wgs in _resident_blocks(blocks))
+                 for row_block, col_block, queries, wgs in _resident_blocks(plan))
   return angle_pos, k_angle_pos, qp, kp, visits
 
 
-# Angle tables of concrete positions up to this many bytes per call become trace-time constants
-# of the caller's program (e.g. 3 MiB at T = S = 4096, H = 64); larger ones are computed in each
-# call, O(S·H) work beside attention's O(T·S·H), which keeps long-context programs small. Equal
-# positions share one constant (`_constant_angle_tables`), so a model's layers add one copy.
+# Angle tables of concrete positions up to this many bytes become trace-time constants (3 MiB at
+# T = S = 4096, H = 64; one copy per distinct positions); larger ones are computed per call.
 MAX_CONSTANT_TABLE_BYTES = 4 << 20
 # Positions travel to the kernels as float32, exact below this magnitude.
 MAX_POSITION = 2**24
 
 
 def _angle_tables(angle_pos, k_angle_pos, freqs, *, query_tables: bool):
-  """The query table (`query_table`, None without `query_tables`) and the key map's
-  `key_table`, from `_position_operands`' angle positions and the frequencies θ [H]."""
+  """(`query_table` or None without `query_tables`, `key_table`) of the angle positions."""
   q_table = query_table(angle_pos, freqs) if query_tables else None
   return q_table, jax.lax.stop_gradient(key_table(k_angle_pos, freqs))
 
 
 @functools.lru_cache(maxsize=8)
 def _constant_angle_tables(angle_pos: tuple, k_angle_pos: tuple, freqs: tuple, **kw):
-  """`_angle_tables` at trace time, one array object per distinct positions (given as
-  `_array_key`s): JAX lowers a constant used by several calls of one program once, so the
-  layers of a model share their tables. Keeps the 8 most recent (at most 32 MiB of device
-  memory)."""
+  """`_angle_tables` at trace time, one array object per distinct positions (`_array_key`s), so
+  a model's layers share one constant; keeps the 8 most recent (at most 32 MiB)."""
   arrays = [np.frombuffer(data, np.float32).reshape(shape) for shape, data in
             (angle_pos, k_angle_pos, freqs)]
   with jax.ensure_compile_time_eval():
@@ -401,12 +342,10 @@ def _table_bytes(angle_pos, k_angle_pos, freqs, **kw) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tables))
 
 
-@functools.partial(jax.jit, static_argnames=("is_causal", "blocks"))
-def _prepare(q, k, v, delta, positions, *, is_causal, blocks):
-  """Operands: padded raw q, the query phase -δ (δ clamped by the caller), raw k (unpadded:
-  `_forward` maps and pads it), padded v, positions and angle tables, and per kernel the visit
-  table with which CTA runs which tiles (`st.launch_schedule`, balanced by the step counts of
-  the default positions). `positions` is `_positions`' result."""
+@functools.partial(jax.jit, static_argnames=("is_causal", "plan"))
+def _prepare(q, k, v, delta, positions, *, is_causal, plan):
+  """Operands: padded q, the query phase -δ, raw k (`_forward` maps and pads it), padded v,
+  `_positions`' arrays, and per kernel its visit table and `st.launch_schedule`."""
   bsz, t_len, n_heads, h = q.shape
   s_len, vd = k.shape[1], v.shape[-1]
   # δ on the query side as -δ (the same score as δ on the keys, Eq. 5).
@@ -426,25 +365,22 @@ def _prepare(q, k, v, delta, positions, *, is_causal, blocks):
     n_tiles = -(-n_rows // tile_rows)
     steps = st.causal_steps(n_tiles, tile_rows, n_cols, col_block, offset,
                             causal=is_causal, rows_are_queries=rows_are_queries)
-    return jnp.asarray(st.launch_schedule(bsz, n_heads, n_tiles, steps, blocks.persistent,
+    return jnp.asarray(st.launch_schedule(bsz, n_heads, n_tiles, steps,
                                           longest_last_tile=rows_are_queries))
 
   tables = tuple((visit, schedule(*kernel))
-                 for visit, kernel in zip(visits, _resident_blocks(blocks)))
+                 for visit, kernel in zip(visits, _resident_blocks(plan)))
   return qr, phase, k, vp, angle_pos, q_table, k_trig, qp, kp, tables
 
 
-def _positions(q_positions, k_positions, freqs, *, batch, t_len, s_len, is_causal, blocks,
-               head_dim, value_dim, dtype):
-  """`_position_operands` and `_angle_tables`, evaluated at trace time (constants of the
-  caller's computation) unless a position array is traced; the angle tables only up to
-  MAX_CONSTANT_TABLE_BYTES, and the query table only where the forward reads it
-  (`use_query_tables`, differentiated or not).
+def _positions(q_positions, k_positions, freqs, *, batch, t_len, s_len, is_causal, plan):
+  """`_position_operands` and `_angle_tables`, at trace time unless a position array is traced
+  (the angle tables up to MAX_CONSTANT_TABLE_BYTES; the query table where a forward reads it).
 
   Raises:
     ValueError: concrete positions of magnitude MAX_POSITION or more.
   """
-  kw = dict(batch=batch, t_len=t_len, s_len=s_len, is_causal=is_causal, blocks=blocks)
+  kw = dict(batch=batch, t_len=t_len, s_len=s_len, is_causal=is_causal, plan=plan)
   traced = any(isinstance(p, jax.core.Tracer) for p in (q_positions, k_positions, freqs))
   if not traced:
     for name, pos in (("q_positions", q_positions), ("k_positions", k_positions)):
@@ -455,9 +391,7 @@ def _positions(q_positions, k_positions, freqs, *, batch, t_len, s_len, is_causa
                          f"implementation='xla'")
   with jax.ensure_compile_time_eval() if not traced else contextlib.nullcontext():
     angle_pos, k_angle_pos, qp, kp, visits = _position_operands(q_positions, k_positions, **kw)
-  reads_table = any(use_query_tables(blocks, head_dim, value_dim, dtype, save_a)
-                    for save_a in (False, True))
-  table_kw = dict(query_tables=reads_table)
+  table_kw = dict(query_tables=plan.inference.tables or plan.training.tables)
   if (not traced
       and _table_bytes(angle_pos, k_angle_pos, freqs, **table_kw) <= MAX_CONSTANT_TABLE_BYTES):
     q_table, k_trig = _constant_angle_tables(_array_key(angle_pos), _array_key(k_angle_pos),
@@ -470,11 +404,8 @@ def _positions(q_positions, k_positions, freqs, *, batch, t_len, s_len, is_causa
 def pope_attention(q, k, v, delta=None, *, frequencies, q_positions, k_positions,
                    is_causal: bool = False, scale: float | None = None,
                    block_sizes: BlockSizes | None = None, cartesian_map=None):
-  """Fused PoPE attention (PoPE Eq. 5/6), differentiable in q, k, v and δ.
-
-  The kernel's entry point; `pope_jax.pope_attention(..., implementation="pallas")` calls it
-  after checking the positions and filling in their defaults, and passes what it derives from
-  the encodings (θ, the clamped δ, the reference Cartesian map).
+  """Fused PoPE attention (PoPE Eq. 5/6), differentiable in q, k, v and δ; called by
+  `pope_jax.pope_attention(implementation="pallas")` with checked positions.
 
   Args:
     q: [B, T, N, H] raw queries (before softplus), bf16 or fp16.
@@ -482,42 +413,34 @@ def pope_attention(q, k, v, delta=None, *, frequencies, q_positions, k_positions
     v: [B, S, K, V] values, same dtype.
     delta: None or [N, H] float32 phase bias δ, already clamped to [-2π, 0].
     frequencies: [H] float32 θ_c = base^(-c/H) (`pope_jax.encodings.pope_frequencies`).
-    q_positions, k_positions: [T] / [S] or [B, T] / [B, S] integer positions, checked by the
-      caller (`pope_jax.positions`). Concrete positions (numpy arrays, jax arrays closed over
-      rather than computed inside the caller's jit) become trace-time constants (`_positions`;
-      the angle tables, 8·S·H + 4·T_pad·H bytes per batch row of the positions, T_pad = T
-      rounded up to the tile, up to MAX_CONSTANT_TABLE_BYTES, equal positions sharing one
-      copy); traced ones cost a few small XLA ops per call. Concrete `frequencies` likewise.
+    q_positions, k_positions: [T] / [S] or [B, T] / [B, S] integer positions. Concrete ones
+      (and `frequencies`) give trace-time constant tables (`_positions`); traced ones cost a
+      few small XLA ops per call.
     is_causal: key s visible to query t iff k_pos[s] <= q_pos[t].
     scale: logit scale, default 1/sqrt(H).
     block_sizes: tile sizes; default `default_block_sizes(H)`.
     cartesian_map: the reference map (x, angles, phase) -> [μ cos φ, μ sin φ] float32
-      (`pope_jax.encodings.polar_to_cartesian`), whose VJP maps float16 query gradients in
-      float32 (`_query_vjp_in_kernel`); needed only for float16 gradients.
+      (`pope_jax.encodings.polar_to_cartesian`); needed only for float16 gradients.
 
   Returns:
     [B, T, N, V] in q's dtype; zero rows where no key is visible.
 
   Raises:
-    NotImplementedError: dtype, head dim or value dim the kernel does not support, a backend
-      other than GPU (outside the Mosaic GPU interpreter), or `jax_enable_x64` on.
-    ValueError: q, k, v that do not agree, concrete positions of magnitude MAX_POSITION (2**24)
-      or more, or `block_sizes` whose buffers do not fit in SMEM (forward at call time, dq and
-      dk/dv when differentiated).
+    NotImplementedError: unsupported dtype, head dim, value dim or platform, or x64 on.
+    ValueError: q, k, v that do not agree, concrete positions of magnitude MAX_POSITION or
+      more, or `block_sizes` whose buffers do not fit in SMEM.
   """
   _check(q, k, v)
   reason = platform_reason()
   if reason is not None:
     raise NotImplementedError(reason)
   h = q.shape[-1]
-  blocks = resolve_forward(default_block_sizes(h) if block_sizes is None
-                           else block_sizes, h, -(-v.shape[-1] // 64) * 64, q.dtype)
+  plan = _plan(default_block_sizes(h) if block_sizes is None else block_sizes, h, v.shape[-1],
+               q.dtype)
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   s_len, t_len = k.shape[1], q.shape[1]
   positions = _positions(q_positions, k_positions, frequencies, batch=q.shape[0], t_len=t_len,
-                         s_len=s_len, is_causal=is_causal, blocks=blocks, head_dim=h,
-                         value_dim=v.shape[-1], dtype=q.dtype)
-  qr, phase, kr, vp, *rest = _prepare(q, k, v, delta, positions, is_causal=is_causal,
-                                      blocks=blocks)
-  out = _flash(qr, phase, kr, vp, frequencies, *rest, blocks, scale * _LOG2E, cartesian_map)
+                         s_len=s_len, is_causal=is_causal, plan=plan)
+  qr, phase, kr, vp, *rest = _prepare(q, k, v, delta, positions, is_causal=is_causal, plan=plan)
+  out = _flash(qr, phase, kr, vp, frequencies, *rest, plan, scale * _LOG2E, cartesian_map)
   return out[:, :t_len, :, :v.shape[-1]]

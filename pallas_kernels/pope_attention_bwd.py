@@ -1,12 +1,8 @@
 """Backward kernels of fused PoPE attention: dq (resident queries) and dk, dv (resident keys).
 
-For O = softmax₂(a bᵀ) v (see `pope_attention_fwd`) with P = exp2(a bᵀ - lse) and
-Δ = rowsum(dO ∘ O), the kernels compute da = dS·b, db = dSᵀ·a and dv = Pᵀ·dO where
-dS = P ∘ (dO vᵀ - Δ) (FlashAttention-2, Dao 2023, Alg. 2), the first two times ln 2 (the
-logits are base 2: d exp2(x) = ln 2 · exp2(x) dx), in float32 accumulators. Their epilogues map
-da and db through the Cartesian maps' VJP (`cartesian_vjp`, from the resident a or b tile) to
-the gradients of the raw queries and keys: the dq kernel returns [dq | dφ] (dφ the query
-angles' gradient), the dk/dv kernel dk and dv.
+For O = softmax₂(a bᵀ) v with P = exp2(a bᵀ - lse), Δ = rowsum(dO ∘ O) and dS = P ∘ (dO vᵀ - Δ)
+(FlashAttention-2, Alg. 2): da = ln 2 · dS·b, db = ln 2 · dSᵀ·a, dv = Pᵀ·dO in float32. The
+epilogues map da, db through the Cartesian maps' VJP (`cartesian_vjp`) to the raw q, k.
 
 Shape letters: B batch, T padded query length, S padded key length, N query heads, K kv heads,
 D = 2H q/k width, V value width.
@@ -33,21 +29,13 @@ _G_SERIES_BELOW = 1.0 / 64
 
 
 def cartesian_vjp(cart, d_cart, magnitude_scale: float):
-  """VJP of the PoPE Cartesian map evaluated from the map's own output (PoPE Eq. 7-10).
-
-  For x' = s·μ·[cos φ, sin φ] with μ = softplus(x) (`encodings.polar_to_cartesian`, whose
-  VJP is dx = σ(x)·s·(dx'_c cos φ + dx'_s sin φ), dφ = s·μ·(dx'_s cos φ - dx'_c sin φ)):
+  """VJP of the PoPE Cartesian map (Eq. 7-10) from its own output x' = s·μ·[cos φ, sin φ]:
     dx = g(μ)·(dx'_c x'_c + dx'_s x'_s),   dφ = dx'_s x'_c - dx'_c x'_s,
-  with μ = |x'| / s, σ(x) = softplus'(x) = 1 - e^-μ and g(μ) = σ / μ (-> 1 as μ -> 0). So the
-  dq and dk/dv kernels need only the Cartesian tile they already hold (a or b), no angles or
-  raw inputs.
+  μ = |x'| / s, g(μ) = (1 - e^-μ) / μ (softplus' over μ), so no angles or raw inputs are needed.
 
   Args:
-    cart: [R, 2H] x' = [x'_c, x'_s] (any float dtype; the kernels' bf16/fp16 operand tile, so
-      μ and φ carry its rounding: 2^-9 relative in bf16, 2^-11 in fp16, more where fp16 x' is
-      subnormal (|x'| < 6.1e-5: raw inputs below about -9), where dx is tiny).
-    d_cart: [R, 2H] float32 cotangent of x'.
-    magnitude_scale: s > 0.
+    cart: [R, 2H] x' (any float dtype; its rounding carries into μ and φ).
+    d_cart: [R, 2H] float32 cotangent of x'; magnitude_scale: s > 0.
 
   Returns:
     (dx, dφ), each [R, H] float32.
@@ -67,28 +55,19 @@ def cartesian_vjp(cart, d_cart, magnitude_scale: float):
 def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
                       blocks: BlockSizes,
                       magnitude_scale: float | None):
-  """Gradients of the raw queries and of their angles, from da = ln 2 · dS·b per query head.
-
-  With `magnitude_scale`, the epilogue maps da through the query map's VJP (`cartesian_vjp`,
-  from the resident tile a), so no XLA pass reads da and recomputes the map. Without, it
-  returns da: the caller maps it (for fp16, whose range cannot hold dφ ∝ da·a per element
-  where the raw queries are below about -6, so the phase gradient, its sum, would lose
-  precision).
+  """The queries' gradient from da = ln 2 · dS·b per query head.
 
   Args:
-    a: [B, T, N, D] Cartesian queries a = s·softplus(q)·[cos φ, sin φ] (the forward's);
-    b: [B, S, K, D]; v: [B, S, K, V]; do: [B, T, N, V] (one dtype).
-    lse, delta: [B, N, T] float32 (forward log-sum-exp, base 2; rowsum(dO ∘ O)).
+    a: [B, T, N, D] the forward's Cartesian queries (scale s); b: [B, S, K, D];
+      v: [B, S, K, V]; do: [B, T, N, V] (one dtype).
+    lse, delta: [B, N, T] float32 (base-2 log-sum-exp; rowsum(dO ∘ O)).
     q_pos: [B, T], k_pos: [B, S] float32 positions with padding sentinels.
-    table: [B, T / (2 block_q_dq), 10] int32 from `st.visit_table` (queries resident).
-    schedule: the CTAs' items, int32 from `st.launch_schedule` (queries resident).
-    blocks: tile sizes.
-    magnitude_scale: s of a, or None.
+    table, schedule: `st.visit_table` and `st.launch_schedule` int32 (queries resident).
+    blocks: tile sizes; magnitude_scale: s, or None to return da (fp16: the caller maps it).
 
   Returns:
-    [B, T, N, D] in a's dtype: with `magnitude_scale`, dq (the raw queries' gradient) in the
-    first H = D / 2 columns and dφ (each element's angle gradient; the phase's is its sum over
-    B and T) in the last H; without, da.
+    [B, T, N, D] in a's dtype: [dq | dφ] (each element's angle gradient; the phase's is its
+    sum over B and T) with `magnitude_scale`, else da.
   """
   bsz, t_len, n_heads, d = a.shape
   vd = v.shape[-1]
@@ -187,16 +166,8 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
   ]
   st.check_smem(scratch, "dq", f"lower BlockSizes.stages ({stages}), block_q_dq ({bq}) or "
                 f"block_kv_dq ({bk})")
-  return plgpu.kernel(
-      pope_dq_kernel,
-      out_type=jax.ShapeDtypeStruct(a.shape, dtype),
-      scratch_types=scratch,
-      grid=(grid,),
-      grid_names=("cta",),
-      num_threads=wgs + 1,
-      thread_name="wg",
-      compiler_params=st.compiler_params(),
-  )(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
+  return st.launch(pope_dq_kernel, jax.ShapeDtypeStruct(a.shape, dtype), scratch, ctas=grid,
+                   compute_wgs=wgs)(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
 
 
 _DKV_OUTPUTS = ("dk", "dv")
@@ -205,23 +176,16 @@ _DKV_OUTPUTS = ("dk", "dv")
 def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
                        blocks: BlockSizes,
                        outputs: tuple[str, ...] = _DKV_OUTPUTS):
-  """Per query head, the raw keys' gradient dk and Pᵀ·dO (the caller sums a GQA group).
-
-  dk is db = ln 2 · dSᵀ·a mapped through the key map's VJP in the epilogue (`cartesian_vjp`
-  from the resident tile b, s = 1), so no XLA pass reads db and recomputes the map.
-  `outputs` picks which of the two one launch computes: both share P, but at D = 256 (H = 128)
-  their float32 accumulators (db 128 + dv 64 registers per thread) and the P, dP tiles exceed a
-  warpgroup's registers and spill, so `BlockSizes.split_dkv` computes them in two launches (dv's
-  repeats the a bᵀ matmul and the pass over a, dO, lse; still faster at H = 128: no spills).
+  """Per query head, the raw keys' gradient dk (db = ln 2 · dSᵀ·a through the key map's VJP,
+  s = 1) and dv = Pᵀ·dO; the caller sums a GQA group. `outputs` picks which one launch
+  computes (`BlockSizes.split_dkv`: at H = 128 both accumulators spill).
 
   Args:
-    as in `pope_attention_dq` (without magnitude_scale: b = softplus(k)·[cos sθ, sin sθ] has
-    s = 1), except table: [B, S / (2 block_kv_dkv), 10] int32 from `st.visit_table` and
-    schedule from `st.launch_schedule`, with keys resident.
-    outputs: a non-empty ordered subset of ("dk", "dv") (any sequence).
+    as `pope_attention_dq`'s, with keys resident in table and schedule; outputs: a non-empty
+    ordered subset of ("dk", "dv").
 
   Returns:
-    a tuple in `outputs` order of dk [B, S, N, H] (H = D / 2) and dv [B, S, N, V], in a's dtype.
+    in `outputs` order, dk [B, S, N, H] and dv [B, S, N, V] in a's dtype.
 
   Raises:
     ValueError: `outputs` is empty, repeats a name or names another output.
@@ -337,29 +301,16 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outp
   st.check_smem(scratch, "dk/dv", f"lower BlockSizes.stages ({stages}), block_kv_dkv ({bk}) or "
                 f"block_q_dkv ({bq})")
   shapes = {"dk": (bsz, s_len, n_heads, h), "dv": (bsz, s_len, n_heads, vd)}
-  out = plgpu.kernel(
-      pope_dkv_kernel,
-      out_type={o: jax.ShapeDtypeStruct(shapes[o], dtype) for o in outputs},
-      scratch_types=scratch,
-      grid=(grid,),
-      grid_names=("cta",),
-      num_threads=wgs + 1,
-      thread_name="wg",
-      compiler_params=st.compiler_params(),
-  )(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
+  out = st.launch(pope_dkv_kernel, {o: jax.ShapeDtypeStruct(shapes[o], dtype) for o in outputs},
+                  scratch, ctas=grid, compute_wgs=wgs)(a, b, v, do, lse, delta, q_pos, k_pos,
+                                                       table, schedule)
   return tuple(out[o] for o in outputs)
 
 
 def _dkv_scratch(a, v, blocks: BlockSizes, outputs: tuple[str, ...]):
-  """SMEM plan of the dk/dv kernel: (resident names, streamed names, scratch, dk_in_v).
-
-  Operands are loaded per compute warpgroup (resident) and per stage (streamed); dv alone needs
-  neither v nor Δ (v's SMEM tile is still allocated: it stages dv for the store). dk (H wide)
-  is staged for its store in v's resident tile (free after the loop) when V = H and the launch
-  computes no dv or dk's own tile does not fit in SMEM (then dv's store waits until dk's has
-  read the tile); else in its own tile. So with V != H the own tile must fit, which lowers the
-  largest block sizes that do (e.g. H = 128, V = 64: 2 stages, not 3).
-  """
+  """SMEM plan of the dk/dv kernel: (resident names, streamed names, scratch, dk_in_v). dv
+  alone needs neither v nor Δ (v's tile stages dv's store). dk is staged in v's tile when V = H
+  and there is no dv or no room for its own tile."""
   want_dk, want_dv = "dk" in outputs, "dv" in outputs
   d, vd, dtype = a.shape[-1], v.shape[-1], a.dtype
   h = d // 2
@@ -392,15 +343,8 @@ def _dkv_scratch(a, v, blocks: BlockSizes, outputs: tuple[str, ...]):
 
 
 def _store_dkv(accs, smem, wg, out_refs, dst, outputs, dk_in_v: bool, dtype):
-  """Epilogue of one resident key tile: dk = the key map's VJP (s = 1) of db, then each output
-  staged in SMEM and stored by TMA to `out_refs[o].at[dst]`. v's resident tile is free now: it
-  stages dv (and dk, see `_dkv_scratch`).
-
-  Args:
-    accs: {output: float32 [bk, width] accumulator} (dk's holds db, D wide).
-    smem: the kernel's resident SMEM tiles by name; wg: the compute warpgroup index.
-    out_refs: the kernel's outputs by name; dst: (batch, key rows, head) of the tile.
-  """
+  """Epilogue of one key tile: dk from db (`cartesian_vjp`, s = 1), then each output of
+  `accs` (float32 [bk, width]) staged in SMEM and stored to `out_refs[o].at[dst]`."""
   if "dk" in outputs:  # db through the key map's VJP (s = 1): the raw keys' gradient.
     accs["dk"], _ = cartesian_vjp(plgpu.load(smem["b"].at[wg], layout=plgpu.Layout.WGMMA),
                                   accs["dk"] * _LN2, 1.0)

@@ -1,11 +1,8 @@
 """Forward kernel of fused PoPE attention: flash attention over the Cartesian PoPE form.
 
-The kernel reads the raw queries q (H wide) and maps each resident tile in registers to
-a = [μq cos(tθ-δ), μq sin(tθ-δ)]·scale·log2(e) (`cartesian_halves`), once per tile; it streams
-b = [μk cos sθ, μk sin sθ] (PoPE, arXiv 2509.10534, Eq. 5/6 written as a dot product of 2H-wide
-vectors) and computes O = softmax₂(a bᵀ) v with masking by position, where softmax₂ uses exp2
-(the log2(e) is folded into a). It also returns the base-2 log-sum-exp per row for the backward
-kernels and, when asked, a itself (their operand), so no separate pass maps the queries.
+Each resident query tile is mapped in registers to a = [μq cos(tθ-δ), μq sin(tθ-δ)]·scale·log2 e
+(`_query_map`); b = [μk cos sθ, μk sin sθ] streams; O = softmax₂(a bᵀ) v with masking by
+position. Also returns the base-2 log-sum-exp and, for the backward, a.
 
 Shape letters: B batch, T padded query length, S padded key length, N query heads, K kv heads,
 H head dim, D = 2H width of the Cartesian a and b, V value width (a multiple of 64).
@@ -31,42 +28,65 @@ from pallas_kernels._query_map import (TABLE_DTYPE, cartesian_halves,  # noqa: F
 from pallas_kernels.pope_attention_config import BlockSizes
 
 
-# Query tiles whose scores (log2 units) are all within ± this (`bounded_softmax`) take exp2 of
-# the scores: P, its row sums and P V then stay inside float32's and bfloat16's range for
-# S < 2**24 positions and |v| < 2**38 (the bf16 scores may exceed the bound by about 0.4 %).
+# Tiles whose scores (log2 units) lie within ± this take exp2 of the scores (`bounded_softmax`):
+# P, its row sums and P V stay in float32's and bf16's range for S < 2**24 and |v| < 2**38.
 BOUNDED_SCORE_LIMIT = 64.0
 
 
-def bounded_softmax(blocks: BlockSizes, dtype) -> bool:
-  """Whether the forward takes the softmax without a running max on bounded query tiles
-  (`BlockSizes.bounded_softmax`): for bfloat16 only, whose P has float32's exponent range
-  (fp16's P would overflow above 2**16)."""
-  return blocks.bounded_softmax and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ForwardPlan:
+  """The forward kernel's static schedule, decided once per call (`plan_forward`)."""
+  blocks: BlockSizes
+  h: int               # PoPE head dim H
+  vd: int              # value width V (a multiple of 64)
+  dtype: jnp.dtype     # q's
+  warpgroups: int      # compute warpgroups W
+  ping_pong: bool      # the two warpgroups' handshakes (the interpreter runs without)
+  stages: int          # pipeline depth
+  tables: bool         # the query map reads float16 cos, sin tables (`query_tables`)
+  save_a: bool         # also returns a for the backward
+  bounded: bool        # bf16 `bounded_softmax` (fp16's P would overflow above 2**16)
+  q_in_o: bool         # the query tile is staged in the output tile's SMEM
+  a_in_smem: bool      # a is staged for its store in its own SMEM tile
+
+  @property
+  def tile_rows(self) -> int:
+    """Query rows per CTA item (W block_q), the unit of the bounded flags."""
+    return self.warpgroups * self.blocks.block_q
 
 
-def _q_in_o(blocks: BlockSizes, h: int, vd: int) -> bool:
-  # Without `persistent`, the query tile is staged in the output tile's SMEM when the two have
-  # one width (the output is written only after the last step), which leaves room for a third
-  # stage at H = 128. A persistent CTA loads the next item's queries while it runs this one, so
-  # they get their own buffer (the CPU interpreter, one tile per CTA, keeps the shared one).
-  return h == vd and not (blocks.persistent and not st.interpreted())
+def plan_forward(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool) -> ForwardPlan:
+  """The forward's schedule for head dim h, value width vd (a multiple of 64), q's dtype and
+  whether a is saved: three warpgroups where `forward_warpgroups` is None and they fit (with a
+  saved, no tables: one answer for both forwards), then max(3, stages) where that fits, then
+  the query tables where they fit beside."""
+  def plan(save_a, **kw):
+    q_in_o = h == vd and st.interpreted()  # (a persistent CTA prefetches the next queries)
+    return ForwardPlan(blocks=blocks, h=h, vd=vd, dtype=jnp.dtype(dtype), save_a=save_a,
+                       q_in_o=q_in_o,
+                       a_in_smem=save_a and h != vd, **kw)
+
+  def fits(p):
+    return st.smem_bytes(_scratch(p)) <= st.smem_limit()
+
+  bounded = blocks.bounded_softmax and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+  kw = dict(warpgroups=blocks.forward_warpgroups or 2, ping_pong=False, stages=blocks.stages,
+            tables=False, bounded=bounded)
+  if blocks.forward_warpgroups is None and fits(plan(True, **{**kw, "warpgroups": 3})):
+    kw["warpgroups"] = 3
+  kw["ping_pong"] = blocks.ping_pong and kw["warpgroups"] == 2
+  if fits(plan(save_a, **{**kw, "stages": max(3, blocks.stages)})):
+    kw["stages"] = max(3, blocks.stages)
+  kw["tables"] = blocks.query_tables and fits(plan(save_a, **{**kw, "tables": True}))
+  return plan(save_a, **kw)
 
 
-def _a_in_smem(blocks: BlockSizes, h: int, vd: int, save_a: bool) -> bool:
-  # The Cartesian query tile a has its own SMEM tile when it is QKᵀ's SMEM operand, or when it
-  # is saved and cannot pass through the output tile's (2 halves of width H = V).
-  return not blocks.a_in_registers or (save_a and h != vd)
-
-
-def _scratch(blocks: BlockSizes, stages: int, h: int, vd: int, dtype, save_a: bool,
-             tables: bool) -> list:
-  """The forward kernel's SMEM buffers and barriers, in the kernel's argument order (`tables`:
-  `use_query_tables`)."""
-  bq, bk, d, wgs = blocks.block_q, blocks.block_kv, 2 * h, blocks.forward_warpgroups
-  tf = st.tile_transforms()
-  scratch = [plgpu.SMEM((wgs, bq, d), dtype, transforms=tf)] if _a_in_smem(
-      blocks, h, vd, save_a) else []
-  if tables:  # cos and sin of the query angles (`pope_attention.query_angles`)
+def _scratch(p: ForwardPlan) -> list:
+  """The forward kernel's SMEM buffers and barriers, in the kernel's argument order."""
+  bq, bk, h, vd, wgs = p.blocks.block_q, p.blocks.block_kv, p.h, p.vd, p.warpgroups
+  d, dtype, stages, tf = 2 * h, p.dtype, p.stages, st.tile_transforms()
+  scratch = [plgpu.SMEM((wgs, bq, d), dtype, transforms=tf)] if p.a_in_smem else []
+  if p.tables:  # cos and sin of the query angles (`pope_attention.query_angles`)
     trig = [plgpu.SMEM((wgs, bq, h), TABLE_DTYPE, transforms=st.tile_transforms(h))] * 2
   else:  # the query angles' positions
     trig = [plgpu.SMEM((wgs, bq), jnp.float32)]
@@ -83,168 +103,85 @@ def _scratch(blocks: BlockSizes, stages: int, h: int, vd: int, dtype, save_a: bo
       plgpu.Barrier(num_barriers=wgs),
       st.ready_barrier(stages, 3),
       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-      # the ping-pong handshake of two warpgroups, or the turns of `st.RingSchedule`
+      # the ping-pong handshake (with three warpgroups unused, as in the tuned programs)
       plgpu.Barrier(num_arrivals=wgs) if wgs == 2 else plgpu.Barrier(num_barriers=wgs),
   ]
-  if not _q_in_o(blocks, h, vd):
+  if not p.q_in_o:
     scratch.append(plgpu.SMEM((wgs, bq, h), dtype, transforms=st.tile_transforms(h)))
-  if blocks.row_sum_mma:
+  if p.blocks.row_sum_mma:
     scratch.append(plgpu.SMEM((wgs, bk, ROW_SUM_COLS), dtype,
                               transforms=st.tile_transforms(ROW_SUM_COLS)))
   return scratch
 
 
-def resolve_forward(blocks: BlockSizes, h: int, vd: int, dtype) -> BlockSizes:
-  """`blocks` with the forward's schedule decided where it is None: `forward_warpgroups` None
-  becomes 3 where three warpgroups' buffers fit in SMEM at the forward's least depth
-  (`stages_fwd`, else `stages`; see `forward_stages`) with a saved for the backward, without
-  the query tables (`st.smem_bytes` against `st.smem_limit`; not with `overlap`), else 2: one
-  answer for the forward of inference and of training, whose visit tables it shapes. Then
-  `ping_pong` None becomes True with two warpgroups and False with three (a ring of three
-  was slower than none).
-
-  Args:
-    blocks: tile sizes; h: PoPE head dim H; vd: value width V (padded to a multiple of 64);
-    dtype: q's dtype.
-  """
-  wgs = blocks.forward_warpgroups
-  if wgs is not None and blocks.ping_pong is not None:
-    return blocks
-  if wgs is None:
-    wgs = 2
-    if not blocks.overlap:
-      three = dataclasses.replace(blocks, forward_warpgroups=3, ping_pong=False)
-      least = blocks.stages if blocks.stages_fwd is None else blocks.stages_fwd
-      if st.smem_bytes(_scratch(three, least, h, vd, dtype, True, False)) <= st.smem_limit():
-        wgs = 3
-  ping_pong = wgs == 2 if blocks.ping_pong is None else blocks.ping_pong
-  return dataclasses.replace(blocks, forward_warpgroups=wgs, ping_pong=ping_pong)
-
-
-def forward_stages(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool) -> int:
-  """The forward's pipeline depth: `blocks.stages_fwd`, or if that is None max(3, stages)
-  where its buffers fit in SMEM (`st.smem_bytes` against `st.smem_limit`), else `stages`.
-
-  Args:
-    blocks: tile sizes; h: PoPE head dim H; vd: value width V (padded to a multiple of 64);
-    dtype: q's dtype; save_a: whether the forward saves a for the backward (training).
-  """
-  if blocks.stages_fwd is not None:
-    return blocks.stages_fwd
-  blocks = resolve_forward(blocks, h, vd, dtype)
-  deep = max(3, blocks.stages)
-  fits = st.smem_bytes(_scratch(blocks, deep, h, vd, dtype, save_a, False)) <= st.smem_limit()
-  return deep if fits else blocks.stages
-
-
-def use_query_tables(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool) -> bool:
-  """Whether the forward maps the queries from cos and sin tables: `blocks.query_tables`,
-  where the tables' SMEM tiles fit beside the `forward_stages` pipeline (they never cost a
-  stage; e.g. not at H = 64 with V = 128). Arguments as `forward_stages`."""
-  blocks = resolve_forward(blocks, h, vd, dtype)
-  stages = forward_stages(blocks, h, vd, dtype, save_a)
-  return blocks.query_tables and (
-      st.smem_bytes(_scratch(blocks, stages, h, vd, dtype, save_a, True)) <= st.smem_limit())
-
-
-@functools.partial(jax.jit, static_argnames=('blocks', 'magnitude_scale', 'save_a'))
+@functools.partial(jax.jit, static_argnames=("plan", "magnitude_scale"))
 def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounded, *,
-                       blocks: BlockSizes, magnitude_scale: float, save_a: bool = False):
+                       plan: ForwardPlan, magnitude_scale: float):
   """Runs the forward kernel.
 
   Args:
     q: [B, T, N, H] bf16/fp16 raw queries (before softplus).
-    rot, trig: the query angles, `pope_attention.query_angles`: where `use_query_tables`,
-      rot = (cos, sin) of the query phase -δ, each [N, H] float32, and trig [2, B or 1, T, H]
-      float16 the cos and sin of the positions' angles pos·θ; else rot = (θ [H], -δ [N, H])
-      float32 and trig the positions [B or 1, T] float32, mapped in the kernel
-      (`cartesian_halves`). Padding rows: any finite value.
-    b: [B, S, K, D] Cartesian keys, same dtype, D = 2H.
-    v: [B, S, K, V] values, same dtype.
-    q_pos: [B, T] float32 query positions (padding rows: st.QUERY_PAD).
-    k_pos: [B, S] float32 key positions (padding rows: st.KEY_PAD).
-    table: [B, ceil(T / (W block_q)), 2 + 4 W] int32 from `st.visit_table`, W =
-      `blocks.forward_warpgroups`.
-    schedule: the CTAs' items, int32 from `st.launch_schedule` (queries resident, tiles of
-      W block_q rows).
-    bounded: under `bounded_softmax`, [B, N, ceil(T / (W block_q))] int32, 1 where every score of
+    rot, trig: the query angles (`pope_attention.query_angles`).
+    b: [B, S, K, D] Cartesian keys, same dtype, D = 2H; v: [B, S, K, V] values, same dtype.
+    q_pos: [B, T], k_pos: [B, S] float32 positions (padding: st.QUERY_PAD, st.KEY_PAD).
+    table: [B, ceil(T / (W block_q)), 2 + 4 W] int32 from `st.visit_table`.
+    schedule: the CTAs' items, int32 from `st.launch_schedule` (queries resident).
+    bounded: with `plan.bounded`, [B, N, ceil(T / (W block_q))] int32, 1 where every score of
       the tile is within ±BOUNDED_SCORE_LIMIT (`pope_attention.bounded_tiles`); else None.
-    blocks: tile sizes.
-    magnitude_scale: factor of the query magnitudes (the logit scale times log2 e).
-    save_a: also return the Cartesian queries a.
+    plan: `plan_forward`'s; magnitude_scale: the logit scale times log2 e.
 
   Returns:
-    out [B, T, N, V] in q's dtype (zero rows where no key is visible),
-    lse [B, N, T] float32 base-2 log-sum-exp (1e30 where no key is visible) and, if save_a,
-    a [B, T, N, D] in q's dtype.
+    out [B, T, N, V] in q's dtype (zero rows where no key is visible), lse [B, N, T] float32
+    base-2 log-sum-exp (1e30 where no key is visible) and, with `plan.save_a`, a [B, T, N, D].
 
   Raises:
-    ValueError: trig's rank does not match `use_query_tables`, or the buffers exceed SMEM.
+    ValueError: trig's rank does not match `plan.tables`, or the buffers exceed SMEM.
   """
   bsz, t_len, n_heads, h = q.shape
-  _, s_len, kv_heads, vd = v.shape
-  dtype = q.dtype
-  blocks = resolve_forward(blocks, h, vd, dtype)
-  stages = forward_stages(blocks, h, vd, dtype, save_a)
-  tables = use_query_tables(blocks, h, vd, dtype, save_a)
-  if trig.ndim != (4 if tables else 2):
-    raise ValueError(f"trig has shape {trig.shape}; use_query_tables is {tables} here")
-  wgs = blocks.forward_warpgroups
+  kv_heads, vd = v.shape[2:]
+  if trig.ndim != (4 if plan.tables else 2):
+    raise ValueError(f"trig has shape {trig.shape}; the plan's tables are {plan.tables}")
   kernel = _ForwardKernel(
-      blocks=blocks, stages=stages, tables=tables, save_a=save_a, dtype=dtype, h=h, vd=vd,
-      t_len=t_len, n_heads=n_heads, group=n_heads // kv_heads,
+      plan, t_len=t_len, n_heads=n_heads, group=n_heads // kv_heads,
       magnitude_scale=magnitude_scale, has_bounded=bounded is not None,
       rot_per_head=tuple(r.ndim != 1 for r in rot),
-      trig_batched=trig.shape[-3 if tables else -2] > 1)
-  scratch = _scratch(blocks, stages, h, vd, dtype, save_a, tables)
-  st.check_smem(scratch, "forward", f"at {stages} stages (BlockSizes.stages_fwd="
-                f"{blocks.stages_fwd}, stages={blocks.stages}) lower stages_fwd (or stages when "
-                "it is None), block_kv or block_q"
-                + ("" if blocks.a_in_registers else ", or set a_in_registers")
-                + (", or set forward_warpgroups 2 (or None)" if wgs == 3 else ""))
-  out_type = (jax.ShapeDtypeStruct((bsz, t_len, n_heads, vd), dtype),
+      trig_batched=trig.shape[-3 if plan.tables else -2] > 1)
+  scratch = _scratch(plan)
+  st.check_smem(scratch, "forward", f"at {plan.stages} stages lower BlockSizes.stages, "
+                "block_kv or block_q" + (", or set forward_warpgroups 2 (or None)"
+                                         if plan.warpgroups == 3 else ""))
+  out_type = (jax.ShapeDtypeStruct((bsz, t_len, n_heads, vd), q.dtype),
               jax.ShapeDtypeStruct((bsz, n_heads, t_len), jnp.float32))
-  if save_a:
-    out_type += (jax.ShapeDtypeStruct((bsz, t_len, n_heads, 2 * h), dtype),)
-  return plgpu.kernel(
-      kernel.pope_fwd_kernel,
-      out_type=out_type,
-      scratch_types=scratch,
-      grid=(schedule.shape[0],),
-      grid_names=("cta",),
-      num_threads=wgs + 1,
-      thread_name="wg",
-      compiler_params=st.compiler_params(),
-  )(q, *rot, trig, b, v, q_pos, k_pos, table, schedule, *([] if bounded is None else [bounded]))
+  if plan.save_a:
+    out_type += (jax.ShapeDtypeStruct((bsz, t_len, n_heads, 2 * h), q.dtype),)
+  return st.launch(kernel.pope_fwd_kernel, out_type, scratch, ctas=schedule.shape[0],
+                   compute_wgs=plan.warpgroups)(
+      q, *rot, trig, b, v, q_pos, k_pos, table, schedule, *([] if bounded is None else [bounded]))
 
 
 class _ForwardKernel:
-  """The forward kernel's body, built at trace time in stages: `pope_fwd_kernel` splits the
-  refs and runs `_compute` (compute warpgroups) or `stream_keys` (memory warpgroup); each item
-  of a compute warpgroup runs `_item`: load the query rows, map them (`_map_queries`), run the
-  item's steps (`ItemSteps.loops`), then normalise and store (`_store`)."""
+  """The forward kernel's body: `pope_fwd_kernel` forks the warpgroups; each item of a compute
+  warpgroup loads and maps its queries, runs its steps (`ItemSteps`) and stores (`_item`)."""
 
-  def __init__(self, *, blocks: BlockSizes, stages: int, tables: bool, save_a: bool, dtype,
-               h: int, vd: int, t_len: int, n_heads: int, group: int, magnitude_scale: float,
-               has_bounded: bool, rot_per_head: tuple, trig_batched: bool):
-    self.blocks, self.stages, self.tables, self.save_a = blocks, stages, tables, save_a
-    self.dtype, self.h, self.vd, self.t_len, self.n_heads = dtype, h, vd, t_len, n_heads
-    self.group, self.magnitude_scale, self.has_bounded = group, magnitude_scale, has_bounded
+  def __init__(self, plan: ForwardPlan, *, t_len: int, n_heads: int, group: int,
+               magnitude_scale: float, has_bounded: bool, rot_per_head: tuple,
+               trig_batched: bool):
+    self.plan, self.blocks, self.stages, self.tables = plan, plan.blocks, plan.stages, plan.tables
+    self.save_a, self.dtype, self.h, self.vd = plan.save_a, plan.dtype, plan.h, plan.vd
+    self.t_len, self.n_heads, self.group = t_len, n_heads, group
+    self.magnitude_scale, self.has_bounded = magnitude_scale, has_bounded
     self.rot_per_head, self.trig_batched = rot_per_head, trig_batched
-    self.bq, self.bk, self.wgs = blocks.block_q, blocks.block_kv, blocks.forward_warpgroups
+    self.bq, self.bk, self.wgs = plan.blocks.block_q, plan.blocks.block_kv, plan.warpgroups
     self.n_tiles = -(-t_len // (self.wgs * self.bq))
-    self.q_in_o, self.a_in_smem = _q_in_o(blocks, h, vd), _a_in_smem(blocks, h, vd, save_a)
-    # Interpreted runs (tests) keep the plain schedule: the CPU interpreter runs each
-    # warpgroup as its own XLA:CPU execution, and the handshake hangs where the two compute
-    # warpgroups do not all start at once (few cores); the GPU check covers ping-pong.
-    self.ping_pong = blocks.ping_pong and not st.interpreted()
+    self.q_in_o, self.a_in_smem = plan.q_in_o, plan.a_in_smem
+    # The interpreter runs each warpgroup as its own XLA:CPU execution, and the handshake
+    # hangs where they do not all start at once (few cores); the GPU check covers ping-pong.
+    self.ping_pong = plan.ping_pong and not st.interpreted()
     self.registers, self.memory_registers = st.warpgroup_registers(self.wgs)
 
   def query_rows(self, tile, wg):
-    """(rows, live) of a warpgroup's query tile. Where T is not a multiple of the group's
-    rows (three warpgroups), the tiles of the last group past the queries (which visit no
-    keys, `st.visit_table`) load the last tile's rows and store nothing (live False); else
-    every tile is live (None)."""
+    """(rows, live) of a warpgroup's query tile: tiles past T (three warpgroups) load the last
+    rows and store nothing (live False); live is None where every tile is live."""
     start = (tile * self.wgs + wg) * self.bq
     if self.t_len % (self.wgs * self.bq) == 0:
       return pl.ds(start, self.bq), None
@@ -277,7 +214,7 @@ class _ForwardKernel:
         trig_smem=trig_smem, b_smem=b_smem, v_smem=v_smem, kpos_smem=kpos_smem, q_bar=q_bar,
         qpos_bar=qpos_bar, ready=ready, consumed=consumed, q_smem=q_smem, ones_smem=ones_smem)
     wg = lax.axis_index("wg")
-    self._schedule(handshake_bar, wg)
+    self.handshake = lambda: st.schedule_barrier(handshake_bar)
 
     @pl.when(wg < self.wgs)
     def _compute():
@@ -288,21 +225,6 @@ class _ForwardKernel:
       st.stream_keys(st.for_each_item(sched_ref), self.tile_of, tab_ref,
                      (b_ref, v_ref, kpos_ref), (b_smem, v_smem, kpos_smem), self.group,
                      self.bk, self.stages, consumed, ready, self.memory_registers)
-
-  def _schedule(self, handshake_bar, wg):
-    """Under ping-pong: the handshake (two warpgroups) or ring (three), and what opens and
-    closes a run of ping-pong items and follows the QKᵀ issue (`after_qk`)."""
-    ping_pong = self.ping_pong
-    self.ring = ring = (st.RingSchedule(handshake_bar, wg, self.wgs)
-                        if ping_pong and self.wgs > 2 else None)
-    handshake = self.handshake = (
-        (lambda: st.schedule_barrier(handshake_bar)) if ping_pong and ring is None else None)
-    if ring is not None:
-      self.run_start, self.run_end, self.after_qk = ring.start, ring.end, ring.pass_on
-    else:
-      self.run_start = lambda: pl.when(wg == 1)(handshake)
-      self.run_end = lambda: pl.when(wg == 0)(handshake)
-      self.after_qk = handshake
 
   def _compute(self, wg):
     """A compute warpgroup: its CTA's items in turn."""
@@ -319,8 +241,7 @@ class _ForwardKernel:
     plgpu.wait_smem_to_gmem(0)
 
   def _load_queries(self, item, wg):
-    """Issues the copies of this warpgroup's query rows of an item: raw queries, the
-    angles (`rot` and `trig`; to q_bar), and the masking positions (to qpos_bar)."""
+    """Issues the copies of an item's query rows, angles (q_bar) and positions (qpos_bar)."""
     r = self.refs
     batch, head, tile = self.tile_of(item)
     rows, _ = self.query_rows(tile, wg)
@@ -339,14 +260,13 @@ class _ForwardKernel:
 
   def is_bounded(self, j):
     """Whether item j of this CTA takes the bounded softmax (the flag of its tile)."""
-    if not bounded_softmax(self.blocks, self.dtype):
+    if not self.plan.bounded:
       return jnp.bool_(False)
     batch, head, tile = self.tile_of(self.item_of(jnp.clip(j, 0, self.count - 1)))
     return self.refs.bnd[batch, head, tile] != 0
 
   def _map_queries(self, wg):
-    """The resident query tile mapped to its Cartesian form: (a [bq, D] in WGMMA layout,
-    its two halves [bq, H])."""
+    """(a [bq, D] in WGMMA layout, its two halves [bq, H]) of the resident query tile."""
     r = self.refs
     with jax.named_scope("wait_q"):
       plgpu.barrier_wait(r.q_bar.at[wg])
@@ -365,9 +285,8 @@ class _ForwardKernel:
     return a, halves
 
   def _stage_a(self, a, halves, j, wg, batch, head, rows, live):
-    """Puts a where QKᵀ and the backward read it: a's SMEM tile, and with `save_a` a's rows
-    in GMEM (through a's tile, or each half through the output tile's SMEM, free until the
-    final store). Also issues the next item's query copies into the freed buffers."""
+    """With `save_a`, stores a (through its SMEM tile, or each half through the output
+    tile's); then issues the next item's query copies into the freed buffers."""
     r, h = self.refs, self.h
     if r.a_smem is not None:  # (after the previous item's store of a has read it)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -391,15 +310,16 @@ class _ForwardKernel:
 
   def _item(self, j, base, wg):
     """Item j of this CTA, whose first step is the ring's step `base`; returns the next
-    item's. Under ping-pong, each run of consecutive online-softmax items is opened and
-    closed by `run_start` and `run_end` (bounded items make no handshakes)."""
+    item's. Under ping-pong, each run of consecutive online-softmax items is opened by
+    warpgroup 1's handshake and closed by warpgroup 0's (bounded items make none)."""
     r = self.refs
     item = self.item_of(j)
     batch, head, tile = self.tile_of(item)
     rows, live = self.query_rows(tile, wg)
     bounded_item = self.is_bounded(j)
     if self.ping_pong:  # the start of a run of ping-pong items
-      pl.when(~bounded_item & ((j == 0) | self.is_bounded(j - 1)))(self.run_start)
+      pl.when(~bounded_item & ((j == 0) | self.is_bounded(j - 1)))(
+          lambda: pl.when(wg == 1)(self.handshake))
     if self.q_in_o:  # The previous item's output store must have read the tile first.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       self._load_queries(item, wg)
@@ -407,23 +327,21 @@ class _ForwardKernel:
     plgpu.barrier_wait(r.qpos_bar.at[wg])
     qpos = st.row_vector(r.qpos_smem.at[wg], 0)
     self._stage_a(a, halves, j, wg, batch, head, rows, live)
-    # QKᵀ's left operand: a in registers (only b is then read from SMEM) or a's SMEM tile.
-    a_lhs = a if self.blocks.a_in_registers else r.a_smem.at[wg]
     ranges = st.read_ranges(r.tab, batch, tile, wg)
-    steps = ItemSteps(self, wg, a_lhs, qpos, ranges, origin=ranges[0] - base)
-    if bounded_softmax(self.blocks, self.dtype):  # per item: bounded scores skip the max
+    steps = ItemSteps(self, wg, a, qpos, ranges, origin=ranges[0] - base)
+    if self.plan.bounded:  # per item: bounded scores skip the max
       acc, m_i, l_i = lax.cond(bounded_item, lambda: steps.loops(True),
                                lambda: steps.loops(False))
     else:
       acc, m_i, l_i = steps.loops(False)
     self._store(acc, m_i, l_i, wg, batch, head, rows, live)
     if self.ping_pong:  # the end of a run of ping-pong items
-      pl.when(~bounded_item & ((j == self.count - 1) | self.is_bounded(j + 1)))(self.run_end)
+      pl.when(~bounded_item & ((j == self.count - 1) | self.is_bounded(j + 1)))(
+          lambda: pl.when(wg == 0)(self.handshake))
     return base + ranges[1] - ranges[0]
 
   def _store(self, acc, m_i, l_i, wg, batch, head, rows, live):
-    """Epilogue: out = acc / l in q's dtype and lse = m + log2(l) (1e30 and zero rows where
-    no key is visible), through SMEM to GMEM."""
+    """out = acc / l and lse = m + log2(l) (zero rows and 1e30 where no key is visible)."""
     r, bq, vd = self.refs, self.bq, self.vd
     with jax.named_scope("store"):
       # The copies of a (this item's) or of the output (the previous item's) must have

@@ -31,6 +31,9 @@ def test_check_failures_names_errors_and_rows_over_tolerance():
   assert bench_attention.check_failures([ok, far, broken], 2e-2) == ["b", "c"]
   assert bench_attention.check_failures([ok], 2e-2) == []
   assert bench_attention.check_failures([dict(ok, name="d", dq=float("nan"))], 2e-2) == ["d"]
+  large = dict(ok, name="check_h64_large", shape="check_h64_large", out=0.06)
+  assert bench_attention.check_failures(
+      [large, dict(large, name="check_h64", shape="check_h64")], 2e-2) == ["check_h64"]
 
 
 def test_check_inputs_mix_bounded_and_unbounded_tiles():
@@ -58,3 +61,50 @@ def test_unknown_check_shape_is_a_usage_error(monkeypatch, capsys):
     bench_attention.main()
   assert exit_info.value.code == 2
   assert "check_h65" in capsys.readouterr().err
+
+
+def test_tokamax_autotune_rows_and_ratios(monkeypatch, capsys):
+  # A fake tokamax (plain XLA attention; `autotune` records what it tunes and returns a
+  # context): the autotuned row is timed under the results of tuning its forward and its
+  # forward+backward, and every row gets ratios to the untuned and the autotuned tokamax.
+  import types
+
+  import jax
+  from pallas_kernels.shapes import AttentionShape
+  tuned, entered = [], []
+
+  class Result:
+    def __enter__(self):
+      entered.append(self)
+
+    def __exit__(self, *exc):
+      return None
+
+  def autotune(fn, *args):
+    tuned.append((fn, len(args)))
+    return Result()
+
+  def attention(q, k, v, *, scale, is_causal, implementation):
+    assert implementation == "mosaic" and is_causal
+    s = jnp.einsum("btnd,bsnd->bnts", q, k).astype(jnp.float32) * scale
+    s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    return jnp.einsum("bnts,bsnv->btnv", jax.nn.softmax(s), v.astype(jnp.float32)).astype(v.dtype)
+
+  fake = types.ModuleType("tokamax")
+  fake.autotune, fake.dot_product_attention = autotune, attention
+  monkeypatch.setitem(sys.modules, "tokamax", fake)
+  monkeypatch.setitem(bench_attention.SHAPES, "tiny", AttentionShape(
+      batch=1, q_len=32, k_len=32, num_heads=2, num_kv_heads=2, head_dim=32, value_dim=32))
+  monkeypatch.setattr(bench_attention, "BASELINES", {
+      bench_attention.TOKAMAX: bench_attention.BASELINES[bench_attention.TOKAMAX]})
+  monkeypatch.setattr(bench_attention, "MIN_WINDOW_MS", 0.0)
+  monkeypatch.setattr(bench_attention, "TIMING_WINDOWS", 1)
+  result = bench_attention.bench_head_dim("tiny", 1, with_tokamax=True, tokamax_autotune=True)
+  assert [n for _, n in tuned] == [4, 4] and len(entered) == 2
+  rows = {r["name"]: r for r in result["rows"]}
+  assert "error" not in rows[bench_attention.TOKAMAX_AUTOTUNED]
+  for name in ("xla reference", bench_attention.TOKAMAX, bench_attention.TOKAMAX_AUTOTUNED):
+    for key in ("fwd_ratio_tk", "fwd_ratio_tk_at", "fwd_bwd_ratio_tk", "fwd_bwd_ratio_tk_at"):
+      assert math.isfinite(rows[name][key]) and rows[name][key] > 0, (name, key)
+  assert rows[bench_attention.TOKAMAX]["fwd_ratio_tk"] == 1.0
+  assert "/tk at" in capsys.readouterr().out

@@ -2,8 +2,8 @@
 
 The CPU interpreter runs the kernels with SMEM-operand matmuls and without the ping-pong
 handshakes (`_streaming.interpreted`); these tests lower the paths that only the GPU runs
-(register-operand wgmmas, the overlapped schedules, the backward's FlashAttention-3 order, the
-epilogues) through Pallas' Mosaic GPU lowering to NVVM, so an op it cannot lower fails here
+(register-operand wgmmas, the ping-pong handshakes, the backward's FlashAttention-3 order,
+the epilogues) through Pallas' Mosaic GPU lowering to NVVM, so an op it cannot lower fails here
 rather than on the GPU. They do not run ptxas or the kernels (experiments.bench_attention
 --check does, on a GPU).
 """
@@ -50,12 +50,8 @@ def _lowered_text(h, vd, n, kh, change, dtype=jnp.bfloat16, is_causal=True):
     (128, 128, 2, 1, {}),
     (128, 64, 2, 2, {}),
     (32, 96, 4, 1, {}),
-    (64, 64, 2, 2, {"overlap": True, "stages": 3}),
-    (64, 64, 2, 2, {"overlap": True, "ping_pong": False, "a_in_registers": False,
-                    "stages_fwd": 2, "bounded_softmax": False}),
     (64, 64, 2, 2, {"overlap_bwd": True, "block_kv_dq": 64, "block_q_dkv": 64}),
-    (128, 128, 2, 2, {"ping_pong": True, "split_dkv": False, "overlap_bwd": False,
-                      "stages_fwd": 2}),
+    (128, 128, 2, 2, {"ping_pong": True, "split_dkv": False, "overlap_bwd": False}),
     (64, 64, 2, 2, {"row_sum_mma": True}),
     (64, 64, 2, 2, {"bounded_softmax": True}),
     (64, 64, 2, 2, {"bounded_softmax": True, "forward_warpgroups": 2}),
@@ -64,11 +60,10 @@ def _lowered_text(h, vd, n, kh, change, dtype=jnp.bfloat16, is_causal=True):
     (64, 64, 2, 2, {"query_tables": False}),
     (64, 128, 2, 2, {}),
     (64, 64, 2, 2, {"rescale_threshold": 0.0}),
-    (64, 64, 2, 2, {"overlap": True, "stages": 3, "rescale_threshold": 8.0}),
     (128, 128, 2, 1, {"rescale_threshold": None}),
     (64, 64, 2, 2, {"forward_warpgroups": 2}),
-    (64, 64, 2, 2, {"ping_pong": True}),
-    (64, 64, 2, 2, {"a_in_registers": False, "query_tables": False}),
+    (64, 64, 2, 2, {"forward_warpgroups": 2, "ping_pong": False}),
+    (64, 64, 2, 2, {"rescale_threshold": 8.0}),
 ])
 def test_gpu_paths_lower_for_cuda(gpu_paths, h, vd, n, kh, change):
   text = _lowered_text(h, vd, n, kh, change)
@@ -77,8 +72,8 @@ def test_gpu_paths_lower_for_cuda(gpu_paths, h, vd, n, kh, change):
   # Only the forward's conditional rescale (`rescale_threshold`) votes across lanes.
   blocks = dataclasses.replace(default_block_sizes(h), **change)
   assert ("nvvm.vote.sync" in text) == (blocks.rescale_threshold is not None)
-  # Only the overlapped schedules await a wgmma group with one left in flight.
-  assert ("wgmma.wait_group.sync.aligned 1" in text) == (blocks.overlap or blocks.overlap_bwd)
+  # Only the backward's FA3 order awaits a wgmma group with one left in flight.
+  assert ("wgmma.wait_group.sync.aligned 1" in text) == blocks.overlap_bwd
 
 
 @pytest.mark.parametrize("h", [64, 128])
