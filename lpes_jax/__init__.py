@@ -30,7 +30,8 @@ from typing import Any
 from lpes_jax.checkpoints import load_checkpoint
 from lpes_jax.config import LlamaConfig
 from lpes_jax.generate import greedy_decode, greedy_generate
-from lpes_jax.llama import Llama, init_kv_cache, init_params, padded_positions
+from lpes_jax.llama import Llama, init_kv_cache, init_params
+from pope_jax.positions import padded_positions
 from lpes_jax.rope_scaling import RopeScaling
 from lpes_jax.tokenizer import Tokenizer, load_tokenizer
 

@@ -39,7 +39,7 @@ import numpy as np
 from lpes_jax.config import LlamaConfig
 from lpes_jax.rope_scaling import scaled_rope_frequencies
 from pope_jax import checks, encodings, rope_attention
-from pope_jax.positions import check_int32_range
+from pope_jax.positions import check_int32_range, padded_positions
 
 Array = jax.Array
 KVCache = dict[str, Any]
@@ -68,21 +68,6 @@ def init_kv_cache(config: LlamaConfig, batch: int, max_len: int, dtype: Any = No
       "valid": jnp.zeros((batch, max_len), bool),
       "index": jnp.zeros((), jnp.int32),
   }
-
-
-def padded_positions(attention_mask: Array, offset: Array | int = 0) -> Array:
-  """Per-row positions cumsum(mask) − 1 + offset, pads clipped to the row's offset.
-
-  Args:
-    attention_mask: [B, T] bool/int, 1 for tokens (left padding).
-    offset: [] or [B] int, tokens already seen per row.
-
-  Returns:
-    [B, T] int32.
-  """
-  m = jnp.asarray(attention_mask).astype(jnp.int32)
-  pos = jnp.cumsum(m, axis=-1) - 1
-  return (jnp.maximum(pos, 0) + jnp.asarray(offset, jnp.int32).reshape(-1, 1)).astype(jnp.int32)
 
 
 class RMSNorm(nn.Module):

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from pope_jax.config import ModelConfig
 from pope_jax.encodings import layer_multipliers
 from pope_jax.layers import PositionalAttention
+from pope_jax.positions import padded_positions
 
 Array = jax.Array
 Cache = dict[str, Any]
@@ -65,21 +66,6 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None)
       "valid": jnp.zeros((batch, max_len), bool),
       "index": jnp.zeros((), jnp.int32),
   }
-
-
-def padded_positions(attention_mask: Array, offset: Array | int = 0) -> Array:
-  """Per-row positions cumsum(mask) − 1 + offset, pads clipped to the row's offset.
-
-  Args:
-    attention_mask: [B, T] bool/int, 1 for tokens (left padding).
-    offset: [] or [B] int, tokens already seen per row.
-
-  Returns:
-    [B, T] int32.
-  """
-  m = jnp.asarray(attention_mask).astype(jnp.int32)
-  pos = jnp.cumsum(m, axis=-1) - 1
-  return (jnp.maximum(pos, 0) + jnp.asarray(offset, jnp.int32).reshape(-1, 1)).astype(jnp.int32)
 
 
 def initializers(config: ModelConfig) -> tuple[nn.initializers.Initializer, ...]:

@@ -157,3 +157,18 @@ def attention_mask(
     valid = k_valid[:, None, :]
     mask = valid if mask is None else mask & valid
   return mask
+
+
+def padded_positions(attention_mask: Array, offset: Array | int = 0) -> Array:
+  """Per-row positions cumsum(mask) − 1 + offset, pads clipped to the row's offset.
+
+  Args:
+    attention_mask: [B, T] bool/int, 1 for tokens (left padding).
+    offset: [] or [B] int, tokens already seen per row.
+
+  Returns:
+    [B, T] int32.
+  """
+  m = jnp.asarray(attention_mask).astype(jnp.int32)
+  pos = jnp.cumsum(m, axis=-1) - 1
+  return (jnp.maximum(pos, 0) + jnp.asarray(offset, jnp.int32).reshape(-1, 1)).astype(jnp.int32)
