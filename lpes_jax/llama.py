@@ -39,7 +39,7 @@ import numpy as np
 from lpes_jax.config import LlamaConfig
 from lpes_jax.rope_scaling import scaled_rope_frequencies
 from pope_jax import checks, encodings, rope_attention
-from pope_jax.positions import check_int32_range, padded_positions
+from pope_jax.positions import check_int32_range, empty_kv_cache, padded_positions
 
 Array = jax.Array
 KVCache = dict[str, Any]
@@ -59,15 +59,8 @@ def init_kv_cache(config: LlamaConfig, batch: int, max_len: int, dtype: Any = No
     rotates them in each call); "positions": [B, S] int32; "valid": [B, S] bool (False for pads
     and unwritten slots); "index": [] int32, the number of slots written.
   """
-  dtype = jnp.dtype(dtype or config.dtype)
-  shape = (batch, max_len, config.num_kv_heads, config.head_dim)
-  return {
-      "k": tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
-      "v": tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
-      "positions": jnp.zeros((batch, max_len), jnp.int32),
-      "valid": jnp.zeros((batch, max_len), bool),
-      "index": jnp.zeros((), jnp.int32),
-  }
+  return empty_kv_cache(config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim,
+                        jnp.dtype(dtype or config.dtype))
 
 
 class RMSNorm(nn.Module):

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from pope_jax.config import ModelConfig
 from pope_jax.encodings import layer_multipliers
 from pope_jax.layers import PositionalAttention
-from pope_jax.positions import padded_positions
+from pope_jax.positions import empty_kv_cache, padded_positions
 
 Array = jax.Array
 Cache = dict[str, Any]
@@ -57,15 +57,8 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None)
     "positions": [B, S] int32; "valid": [B, S] bool (False for pads and unwritten slots);
     "index": [] int32, the number of slots written.
   """
-  dtype = jnp.dtype(dtype or config.dtype)
-  shape = (batch, max_len, config.kv_heads, config.head_size)
-  return {
-      "k": tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
-      "v": tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
-      "positions": jnp.zeros((batch, max_len), jnp.int32),
-      "valid": jnp.zeros((batch, max_len), bool),
-      "index": jnp.zeros((), jnp.int32),
-  }
+  return empty_kv_cache(config.num_layers, batch, max_len, config.kv_heads, config.head_size,
+                        jnp.dtype(dtype or config.dtype))
 
 
 def initializers(config: ModelConfig) -> tuple[nn.initializers.Initializer, ...]:

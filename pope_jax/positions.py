@@ -172,3 +172,22 @@ def padded_positions(attention_mask: Array, offset: Array | int = 0) -> Array:
   m = jnp.asarray(attention_mask).astype(jnp.int32)
   pos = jnp.cumsum(m, axis=-1) - 1
   return (jnp.maximum(pos, 0) + jnp.asarray(offset, jnp.int32).reshape(-1, 1)).astype(jnp.int32)
+
+
+def empty_kv_cache(num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
+                   dtype) -> dict:
+  """The KV cache layout both models share: `max_len` empty slots per row.
+
+  Returns:
+    dict: "k", "v": tuples of L arrays [B, S, K, H] of zeros in `dtype`; "positions": [B, S]
+    int32; "valid": [B, S] bool, all False (unwritten slots are masked, whatever they hold);
+    "index": [] int32, the number of slots written.
+  """
+  shape = (batch, max_len, kv_heads, head_dim)
+  return {
+      "k": tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+      "v": tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+      "positions": jnp.zeros((batch, max_len), jnp.int32),
+      "valid": jnp.zeros((batch, max_len), bool),
+      "index": jnp.zeros((), jnp.int32),
+  }
