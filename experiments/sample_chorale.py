@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> np.ndarray:
                       help="one encoding's folder, OUT/<encoding> of experiments.jsb")
   which = parser.add_mutually_exclusive_group()
   which.add_argument("--seed-index", type=common.nonnegative_int,
-                     help="the model: position of its seed among those trained (default 0)")
+                     help="the model: position of its seed among those trained (default: 0)")
   which.add_argument("--model-seed", type=common.nonnegative_int,
                      help="the model: the seed it was trained with")
   parser.add_argument("--steps", type=common.positive_int, default=128,
