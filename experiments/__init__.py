@@ -20,6 +20,7 @@ PoPE (`pope_jax`):
   indirect_indexing    — train RoPE and PoPE on indirect indexing; test accuracy (PoPE §4).
   jsb                  — JSB Chorales benchmark; test NLL per token over seeds (PoPE App. A).
   sample_text          — sample text from a trained language model (KV cache, top-k/top-p).
+  sample_chorale       — sample a chorale from a trained JSB model into a MIDI file.
   bench_decode         — decode tokens/s, KV cache against recomputing, PoPE against RoPE.
   score_bounds         — how many query tiles the fused kernel's magnitude bound covers.
 Kernel (`pallas_kernels`, GPU):

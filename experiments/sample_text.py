@@ -13,41 +13,13 @@ greedy. Sampling stops at the end-of-text token. Prints each sample and returns 
 
 from __future__ import annotations
 
-import dataclasses
-import json
-from pathlib import Path
-
 import jax
 from tqdm import tqdm
 
 from experiments import common
 from pope_jax import generation
-from pope_jax.config import ModelConfig, YarnConfig
 from pope_jax.data import text
 from pope_jax.tasks import language_model as lm
-
-
-def load_run(run: Path):
-  """(model config, params, tokenizer) of a finished `experiments.language_model` run folder.
-
-  Raises:
-    FileNotFoundError: the folder lacks result.json or params.msgpack (naming it).
-  """
-  files = [run / "result.json", run / "params.msgpack"]
-  missing = [str(f) for f in files if not f.is_file()]
-  if missing:
-    raise FileNotFoundError(f"not a finished language_model run (missing {', '.join(missing)}); "
-                            "pass --run OUT/<encoding>")
-  record = json.loads(files[0].read_text())
-  model = dict(record["config"]["model"])
-  if model.get("rope_yarn"):
-    model["rope_yarn"] = YarnConfig(**model["rope_yarn"])
-  # Decoding masks unwritten cache slots, which the fused kernel does not take yet.
-  config = dataclasses.replace(ModelConfig(**model), attention_implementation=None)
-  data_dir = Path(record["data"]["dir"])
-  if not data_dir.is_absolute() and not data_dir.exists():
-    data_dir = run.parent / "data"
-  return config, lm.load_params(files[1]), text.load_tokenizer(data_dir)
 
 
 def _encode(tokenizer, prompt: str) -> list[int]:
@@ -76,7 +48,7 @@ def main(argv: list[str] | None = None) -> list[str]:
   parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
   args = parser.parse_args(argv)
   try:
-    config, params, tokenizer = load_run(args.run)
+    config, params, tokenizer = lm.load_run(args.run)
     ids = _encode(tokenizer, args.prompt)
     sampling = generation.Sampling(temperature=args.temperature, top_k=args.top_k,
                                    top_p=args.top_p)

@@ -401,6 +401,40 @@ def restore_state(manager: ocp.CheckpointManager, abstract: TrainState) -> Train
   return state
 
 
+def restore_params(workdir: str | Path, member: int = 0) -> Any:
+  """One seed's parameters from the latest checkpoint of a `train_and_evaluate` run folder.
+
+  Only the parameters are read (no optimiser state), as host numpy arrays, so a run trained on
+  any devices restores on the CPU.
+
+  Args:
+    workdir: the run folder (holds `checkpoints/`).
+    member: m, the index of the seed among those trained together (`run.json`'s "seeds").
+
+  Returns:
+    The params tree of that seed (leaves without the member axis M).
+
+  Raises:
+    FileNotFoundError: workdir holds no checkpoint.
+    IndexError: member outside 0..M-1.
+  """
+  path = (Path(workdir) / "checkpoints").absolute()
+  if not has_checkpoints(workdir):
+    raise FileNotFoundError(f"no checkpoint in {path}")
+  step = max(int(p.name) for p in path.iterdir() if p.name.isdigit() and p.is_dir())
+  item = path / str(step) / "default"         # the manager's one item (`checkpoint_manager`)
+  handler = ocp.PyTreeCheckpointHandler()
+  meta = handler.metadata(item).tree["params"]
+  as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+  params = handler.restore(item, args=ocp.args.PyTreeRestore(
+      item={"params": meta}, restore_args={"params": as_numpy}, partial_restore=True))["params"]
+  handler.close()
+  members = jax.tree.leaves(params)[0].shape[0]
+  if not 0 <= member < members:
+    raise IndexError(f"member {member} is outside the {members} seeds trained in {workdir}")
+  return jax.tree.map(lambda x: x[member], params)
+
+
 def _open_metrics_log(path: Path, history: list[dict]):
   """The metrics log, rewritten to `history` atomically (temp file + rename), open for appending.
 

@@ -13,24 +13,33 @@ the nanoGPT scheme the paper's hyper-parameters come from); float32 compute (`Mo
 one chorale per training window, padded at zero weight, about 47 % of the tokens of a 2048 window
 (`Preset.pack_train` concatenates the training chorales instead); no transposition augmentation
 (`Preset.transpositions`). Evaluation always scores each chorale from its own BOS.
+
+Sampling: `load_run` reads one seed's model back from a run folder OUT/<encoding>/, and
+`sample_chorale` continues BOS (or the first steps of a chorale) with the decoding loop of
+`pope_jax.generation`; `pope_jax.data.midi` writes the result as a MIDI file.
+
+Shape letters: U 16th-note steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import statistics
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from pope_jax import analysis, reporting
+from pope_jax import analysis, generation, reporting
 from pope_jax.config import MODEL_PRESETS, ModelConfig, TrainConfig
 from pope_jax.data import jsb
-from pope_jax.model import num_params
+from pope_jax.model import init_cache, num_params
 from pope_jax.tasks import frequency_usage as usage_task
-from pope_jax.train import has_checkpoints, train_and_evaluate
+from pope_jax.train import has_checkpoints, restore_params, train_and_evaluate
 
 PAPER_NLL = {"rope": 0.5081, "pope": 0.4889}
 PAPER = "JSB, 6 x 256, 3000 steps: test NLL per token RoPE 0.5081, PoPE 0.4889"
@@ -222,3 +231,90 @@ def _what_ran(first: dict, preset: Preset, preset_name: str) -> str:
       chance=(f"a uniform guess over the {data['vocab_size']} tokens has NLL "
               f"{math.log(data['vocab_size']):.2f} nats"),
       paper=PAPER, expect=preset.expect)
+
+
+def run_seeds(run: Path) -> tuple[ModelConfig, tuple[int, ...]]:
+  """The model config and the seeds trained side by side in a run folder OUT/<encoding>/.
+
+  Decoding uses the best available attention (`attention_implementation=None`): the cache masks
+  unwritten slots, which the fused kernel does not take yet.
+
+  Raises:
+    FileNotFoundError: the folder holds no run.json or no checkpoint (naming it).
+  """
+  info_file = run / "run.json"
+  if not info_file.is_file() or not has_checkpoints(run):
+    raise FileNotFoundError(f"{run} is not a JSB run (no run.json or checkpoints/); pass "
+                            "OUT/<encoding> of experiments.jsb")
+  info = json.loads(info_file.read_text())
+  config = dataclasses.replace(ModelConfig(**info["model"]), attention_implementation=None)
+  return config, tuple(info["seeds"])
+
+
+def load_run(run: Path, seed: int | None = None) -> tuple[ModelConfig, dict, int]:
+  """(model config, params, seed) of one seed of a JSB run folder OUT/<encoding>/, from its
+  latest checkpoint.
+
+  Args:
+    run: the folder `run_encoding` trains in.
+    seed: the training seed (default: the first one trained there).
+
+  Raises:
+    FileNotFoundError: see `run_seeds`. ValueError: a seed the run did not train.
+  """
+  config, seeds = run_seeds(run)
+  seed = seeds[0] if seed is None else seed
+  if seed not in seeds:
+    raise ValueError(f"{run} trained seeds {', '.join(map(str, seeds))}, not seed {seed}")
+  return config, restore_params(run, seeds.index(seed)), seed
+
+
+def sample_chorale(config: ModelConfig, params, *, num_steps: int, key: jax.Array | None,
+                   prime: np.ndarray | None = None, temperature: float = 1.0,
+                   top_k: int | None = None, top_p: float | None = None,
+                   on_token=None) -> np.ndarray:
+  """A chorale sampled from a JSB model: BOS, the prime steps, then `num_steps` new steps.
+
+  BOS is never sampled: it is an input only (never a target of the default training), so its
+  logit carries no meaning; the piece ends after `num_steps`.
+
+  Args:
+    config, params: the model (`load_run`).
+    num_steps: new 16th-note steps to sample (4 tokens each).
+    key: `jax.random` key of the sampling (None only when greedy).
+    prime: None or [P, 4] int MIDI pitches (-1 = silence), e.g. the start of a test chorale.
+    temperature, top_k, top_p: see `pope_jax.generation.Sampling` (temperature 0: greedy).
+    on_token: progress callback with each new token's index (`generation.decode`).
+
+  Returns:
+    [P + num_steps, 4] int16 MIDI pitches, -1 = silence: the prime, then the new steps.
+
+  Raises:
+    ValueError: num_steps < 1, a prime pitch outside MIDI 21..108, bad sampling settings, or no
+      key for sampling.
+  """
+  if num_steps < 1:
+    raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+  sampling = generation.Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+  prime = np.zeros((0, 4), np.int16) if prime is None else np.asarray(prime, np.int16)
+  prompt = jsb.tokenize(prime).tolist()                    # [1 + 4P], BOS first
+  run = lambda tokens, mask: _decode_notes(
+      config, params, tokens, mask, max_new_tokens=4 * num_steps, sampling=sampling, key=key,
+      on_token=on_token)
+  new = generation.generate_ids(run, [prompt], vocab_size=config.vocab_size,
+                                max_new_tokens=4 * num_steps, pad_id=jsb.SILENCE)[0]
+  return np.concatenate([prime, jsb.detokenize(np.asarray(new, np.int32))])
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "sampling", "on_token"))
+def _decode_notes(config, params, tokens, mask, *, max_new_tokens, sampling, key, on_token):
+  """`generation.decode` of a Transformer whose BOS logit is -inf (tokens [B, T], mask [B, T])."""
+  step = generation.transformer_step(config, params)
+
+  def no_bos(tokens, mask, cache):
+    logits, cache = step(tokens, mask, cache)              # [B, V]
+    return logits.at[:, jsb.BOS].set(-jnp.inf), cache
+
+  cache = init_cache(config, tokens.shape[0], tokens.shape[1] + max_new_tokens)
+  return generation.decode(no_bos, cache, tokens, mask, max_new_tokens=max_new_tokens,
+                           sampling=sampling, key=key, on_token=on_token)

@@ -23,7 +23,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from pope_jax import reporting
-from pope_jax.config import MODEL_PRESETS, ModelConfig, TrainConfig
+from pope_jax.config import MODEL_PRESETS, ModelConfig, TrainConfig, YarnConfig
 from pope_jax.data import text
 from pope_jax.model import num_params
 from pope_jax.train import has_checkpoints, train_and_evaluate
@@ -143,6 +143,32 @@ def model_config(preset: Preset, encoding: str, meta: dict) -> ModelConfig:
 
 def load_params(path: Path) -> Any:
   return flax.serialization.msgpack_restore(path.read_bytes())
+
+
+def load_run(run: Path) -> tuple[ModelConfig, Any, Any]:
+  """(model config, params, tokenizer) of a finished model folder OUT/<name>/ of `train_model`;
+  the tokenizer is its data folder's (OUT/data/tokenizer.json).
+
+  Decoding uses the best available attention (`attention_implementation=None`): the cache masks
+  unwritten slots, which the fused kernel does not take yet.
+
+  Raises:
+    FileNotFoundError: the folder lacks result.json or params.msgpack (naming it).
+  """
+  files = [run / "result.json", run / "params.msgpack"]
+  missing = [str(f) for f in files if not f.is_file()]
+  if missing:
+    raise FileNotFoundError(f"not a finished language_model run (missing {', '.join(missing)}); "
+                            "pass --run OUT/<encoding>")
+  record = json.loads(files[0].read_text())
+  model = dict(record["config"]["model"])
+  if model.get("rope_yarn"):
+    model["rope_yarn"] = YarnConfig(**model["rope_yarn"])
+  config = dataclasses.replace(ModelConfig(**model), attention_implementation=None)
+  data_dir = Path(record["data"]["dir"])
+  if not data_dir.is_absolute() and not data_dir.exists():
+    data_dir = run.parent / "data"
+  return config, load_params(files[1]), text.load_tokenizer(data_dir)
 
 
 def train_model(preset: Preset, encoding: str, out: Path, *, resume: bool, progress: bool = True,
