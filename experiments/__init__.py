@@ -26,7 +26,6 @@ PoPE (`pope_jax`):
 Kernel (`pallas_kernels`, GPU):
   bench_attention      — the fused Pallas PoPE attention kernel against the best XLA/cuDNN paths.
   trace_attention      — where the fused forward kernel spends its time, per warpgroup.
-  profile_ops          — device time per XLA op of a jitted function (used by bench_attention).
 LPES (`lpes_jax`):
   lpes_generate        — greedy generation with a Llama-family model (HF folder or GGUF).
   lpes_search          — Bézier-constrained genetic search of per-layer RoPE scales.

@@ -31,7 +31,6 @@ dims 64 and 128 and, with --train-step, of both train steps.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
@@ -49,7 +48,7 @@ import numpy as np
 from pallas_kernels import pope_attention as kernel
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
 from pallas_kernels.shapes import CHECK_TOLERANCES, SHAPES, random_inputs
-from experiments import _profiling
+from experiments import _profiling, common
 from pope_jax import attention, encodings, positions
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense matmul peak on the H200 (issue text)
@@ -488,15 +487,14 @@ def _head_and_loss_ms(cfg, batch: int, seq_len: int, iters: int,
 
 def main():
   global MIN_WINDOW_MS
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser = common.make_parser("bench_attention", __doc__)
   parser.add_argument("--out", default="bench_attention.json", help="JSON results file")
-  parser.add_argument("--iters", type=int, default=20,
+  parser.add_argument("--iters", type=common.positive_int, default=20,
                       help="least timed calls per window (`_time_ms`)")
-  parser.add_argument("--min-window-ms", type=float, default=MIN_WINDOW_MS,
+  parser.add_argument("--min-window-ms", type=common.nonnegative_float, default=MIN_WINDOW_MS,
                       help="least length of a timing window (`_time_ms`); 0: --iters calls")
   parser.add_argument("--check", action="store_true", help="kernel vs reference first")
-  parser.add_argument("--check-tol", type=float, default=2e-2,
+  parser.add_argument("--check-tol", type=common.positive_float, default=2e-2,
                       help="--check fails (exit 1) above this max |error| / max |reference|")
   parser.add_argument("--check-blocks", action="append", default=[], metavar="JSON",
                       help='--check also runs these BlockSizes changes, e.g. '
@@ -504,8 +502,8 @@ def main():
   parser.add_argument("--check-dtypes", default="bfloat16",
                       help="--check input dtypes, comma-separated (bfloat16, float16)")
   parser.add_argument("--check-shapes", default="",
-                      help="--check only these shapes of pallas_kernels.shapes, comma-separated "
-                           "(default: every check_* shape)")
+                      help="--check only these shapes of pallas_kernels.shapes, comma-separated; "
+                           "empty: every check_* shape")
   parser.add_argument("--shapes", default="bench_h64,bench_h128",
                       help="main tables' shapes of pallas_kernels.shapes, comma-separated")
   parser.add_argument("--dtypes", default="bfloat16",
@@ -514,7 +512,7 @@ def main():
                       help="main tables also time tokamax after tokamax.autotune (slow)")
   parser.add_argument("--variants", action="store_true", help="time block-size variants")
   parser.add_argument("--train-step", action="store_true", help="GPT-2-124M PoPE/RoPE step")
-  parser.add_argument("--train-batch", type=int, default=16, help="--train-step batch size")
+  parser.add_argument("--train-batch", type=common.positive_int, default=16, help="--train-step batch size")
   parser.add_argument("--logits-dtype", default="float32", choices=("float32", "compute"),
                       help="--train-step: ModelConfig.logits_dtype")
   parser.add_argument("--train-breakdown", action="store_true",
@@ -542,6 +540,8 @@ def main():
   bench_shapes = [n.strip() for n in args.shapes.split(",") if n.strip()]
   if not bench_shapes or (unknown := [n for n in bench_shapes if n not in SHAPES]):
     parser.error(f"--shapes {args.shapes!r}: give some of {sorted(SHAPES)}")
+  if reason := kernel.platform_reason():
+    parser.error(f"needs an NVIDIA Hopper GPU: {reason}")
   try:
     import tokamax  # noqa: F401
     with_tokamax = True

@@ -8,7 +8,7 @@ Random weights of the preset's shape. For each encoding, context C and batch B:
              C − 1 prompt tokens, fed the last one: G single-token calls, tokens/s = B·G / time.
   recompute  one forward over the whole C-token prefix per new token (logits of the last position
              only): tokens/s = B / time(forward).
-Each timing is the median of --reps runs after one warm-up (compilation) run. The cached path
+Each timing is the median of the preset's `reps` runs after one warm-up (compilation) run. The cached path
 masks unwritten cache slots (`key_mask`), so PoPE runs the XLA reference there; the recomputing
 forward takes `attention_implementation` (None: the fused kernel on Hopper). Writes
 OUT/results.json and OUT/results.md.

@@ -23,7 +23,6 @@ benchmark.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import glob
@@ -31,6 +30,7 @@ import json
 import os
 from pathlib import Path
 
+from experiments import common
 from pallas_kernels import _streaming
 
 def roles(compute_wgs: int) -> tuple[str, ...]:
@@ -127,14 +127,16 @@ def plot_summary(summary: dict, path) -> None:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  parser.add_argument("--out", required=True, help="output directory")
+  parser = common.make_parser("trace_attention", __doc__)
+  parser.add_argument("--out", required=True, help="output directory (required)")
   parser.add_argument("--head-dim", type=int, default=64, choices=(64, 128),
                       help="PoPE head dim H of the traced shape (V = H)")
-  parser.add_argument("--batch", type=int, default=1,
+  parser.add_argument("--batch", type=common.positive_int, default=1,
                       help="batch of the bench shape (N=16, S=4096; 1 keeps the trace small)")
   args = parser.parse_args()
+  from pallas_kernels import pope_attention as kernel
+  if reason := kernel.platform_reason():
+    parser.error(f"needs an NVIDIA Hopper GPU: {reason}")
   out = Path(args.out)
   raw = out / "raw"
   raw.mkdir(parents=True, exist_ok=True)

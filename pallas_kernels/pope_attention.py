@@ -99,8 +99,9 @@ def platform_reason() -> str | None:
   device = jax.devices()[0]
   if device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9."):
     return None
-  return (f"pallas PoPE attention runs on NVIDIA Hopper GPUs (sm90), not on "
-          f"{device.platform!r} {getattr(device, 'compute_capability', '')}; use "
+  where = " ".join(filter(None, (repr(device.platform),
+                                 str(getattr(device, "compute_capability", "") or ""))))
+  return (f"pallas PoPE attention runs on NVIDIA Hopper GPUs (sm90), not on {where}; use "
           f"implementation='xla' or None (or plgpu.force_gpu_interpret_mode() for tests)")
 
 
