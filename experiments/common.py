@@ -122,6 +122,18 @@ def locked(parser: argparse.ArgumentParser, *folders: str | Path, flag: str = "-
     yield
 
 
+def add_sampling_flags(parser: argparse.ArgumentParser, *, temperature: float) -> None:
+  """--temperature, --top-k, --top-p and --seed of the sampling CLIs (`pope_jax.generation`)."""
+  parser.add_argument("--temperature", type=nonnegative_float, default=temperature,
+                      help="softmax temperature; 0 for greedy")
+  parser.add_argument("--top-k", type=positive_int,
+                      help="sample among the k most likely tokens (default: all)")
+  parser.add_argument("--top-p", type=positive_float,
+                      help="nucleus sampling: the smallest set with this probability (default: 1)")
+  parser.add_argument("--seed", type=nonnegative_int, default=0,
+                      help="seed of the jax.random key that drives sampling")
+
+
 def add_init_std_flag(parser) -> None:
   """--init-std: GPT-2-style std (a positive float) or 'flax' (`ModelConfig.init_std=None`)."""
   def parse(value: str) -> float | str:

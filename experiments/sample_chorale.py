@@ -47,14 +47,7 @@ def main(argv: list[str] | None = None) -> np.ndarray:
                       help="continue the first N steps of a test chorale (0: from BOS alone)")
   parser.add_argument("--prime-chorale", type=common.nonnegative_int, default=0,
                       help="index of the priming chorale in the test split")
-  parser.add_argument("--temperature", type=common.nonnegative_float, default=1.0,
-                      help="softmax temperature; 0 for greedy")
-  parser.add_argument("--top-k", type=common.positive_int,
-                      help="sample among the k most likely tokens (default: all)")
-  parser.add_argument("--top-p", type=common.positive_float,
-                      help="nucleus sampling: the smallest set with this probability (default: 1)")
-  parser.add_argument("--seed", type=common.nonnegative_int, default=0,
-                      help="seed of the jax.random key that drives sampling")
+  common.add_sampling_flags(parser, temperature=1.0)
   parser.add_argument("--ticks-per-step", type=common.positive_int, default=midi.TICKS_PER_STEP,
                       help="MIDI ticks per step at 480 per quarter note")
   parser.add_argument("--bpm", type=common.positive_float, default=midi.DEFAULT_BPM,

@@ -37,14 +37,7 @@ def main(argv: list[str] | None = None) -> list[str]:
                       help="samples drawn as one batch")
   parser.add_argument("--max-new-tokens", type=common.positive_int, default=100,
                       help="tokens to sample per sample")
-  parser.add_argument("--temperature", type=common.nonnegative_float, default=0.8,
-                      help="softmax temperature; 0 for greedy")
-  parser.add_argument("--top-k", type=common.positive_int,
-                      help="sample among the k most likely tokens (default: all)")
-  parser.add_argument("--top-p", type=common.positive_float,
-                      help="nucleus sampling: the smallest set with this probability (default: 1)")
-  parser.add_argument("--seed", type=common.nonnegative_int, default=0,
-                      help="seed of the jax.random key that drives sampling")
+  common.add_sampling_flags(parser, temperature=0.8)
   parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
   args = parser.parse_args(argv)
   try:
