@@ -163,7 +163,7 @@ def make_train_step(config: LlamaConfig, mcfg: moice.MoiceConfig,
              {k: jnp.zeros((), jnp.float32) for k in ("loss", "lm_loss", "aux_loss")})
     (grads, metrics), _ = jax.lax.scan(micro, zeros, (tokens, mask))
     grads, metrics = jax.tree.map(lambda x: x / tokens.shape[0], (grads, metrics))
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, opt_state, routers)
     return optax.apply_updates(routers, updates), opt_state, metrics
 
