@@ -273,3 +273,17 @@ def test_bad_moice_config(kwargs, message):
 def test_bad_train_config():
   with pytest.raises(ValueError, match="batch_size .* multiple of micro_batch"):
     moice_training.TrainConfig(batch_size=6, micro_batch=4)
+
+
+def test_lpes_eval_generator_decodes_with_the_saved_routers(params, tmp_path):
+  from lpes_jax import evaluate
+  routers = _routers()
+  moice.save_routers(tmp_path, routers, MCFG, CFG)
+  gen = evaluate.method_generator(CFG, params, evaluate.EvalConfig(
+      method="moice", moice_routers=str(tmp_path)))
+  tokens, mask = _batch()
+  want = generate.greedy_tokens(CFG, params, tokens, mask, None, 4,
+                                attention=moice.moice_attention(routers, CFG, MCFG))
+  np.testing.assert_array_equal(gen(tokens, mask, 4), want)
+  with pytest.raises(ValueError, match="needs moice_routers"):
+    evaluate.EvalConfig(method="moice")
