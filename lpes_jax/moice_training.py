@@ -12,7 +12,9 @@ instructions with their answers and EOS.
 Here the sequences are KV-retrieval prompts with their gold answers (`<answer prefix><value>`
 and EOS), drawn from a seed disjoint from the LPES search seed (0) and the held-out seeds; gold
 positions cycle over every position. OpenHermes is not available here, and this is the same
-kind of data the LPES search sees.
+kind of data the LPES search sees. Other differences: the model runs in the CLI's --dtype
+(float32 by default, as lpes_eval; the released run is bf16), and the 128 sequences of a step are
+micro-batches in one `lax.scan` instead of 32 accumulation steps on 4 GPUs (the same average).
 
 Shape letters: B sequences per step, A micro-batches per step, T tokens, V vocabulary.
 """
