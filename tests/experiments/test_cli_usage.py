@@ -6,7 +6,7 @@ import json
 import pytest
 
 from experiments import (bench_llama, indirect_indexing, jsb, language_model, lpes_eval,
-                         lpes_generate, lpes_latency, lpes_search)
+                         lpes_generate, lpes_latency, lpes_search, moice_train)
 
 
 def _never(*args, **kwargs):
@@ -151,7 +151,7 @@ def test_every_flag_has_help_and_its_default_once(capsys, monkeypatch):
   real = common.make_parser
   monkeypatch.setattr(common, "make_parser", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
   for module in (indirect_indexing, jsb, language_model, lpes_eval, lpes_generate, lpes_latency,
-                 lpes_search, bench_llama):
+                 lpes_search, bench_llama, moice_train):
     name = module.__name__.split(".")[-1]
     with pytest.raises(SystemExit) as e:
       module.main(["--help"])
@@ -169,7 +169,8 @@ def test_every_flag_has_help_and_its_default_once(capsys, monkeypatch):
 def test_help_lists_the_presets(capsys):
   for module, presets in ((indirect_indexing, indirect_indexing.ii.PRESETS),
                           (jsb, jsb.task.PRESETS), (language_model, language_model.lm.PRESETS),
-                          (lpes_latency, lpes_latency.PRESETS)):
+                          (lpes_latency, lpes_latency.PRESETS),
+                          (moice_train, moice_train.PRESETS)):
     with pytest.raises(SystemExit):
       module.main(["--help"])
     epilog = capsys.readouterr().out.split("presets:\n")[1]
