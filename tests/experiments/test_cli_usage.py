@@ -14,18 +14,6 @@ def _never(*args, **kwargs):
 
 
 @pytest.fixture
-def model(tmp_path, monkeypatch):
-  """A model file that exists; loading or building any model fails the test."""
-  path = tmp_path / "model.gguf"
-  path.write_bytes(b"")
-  for module, name in ((lpes_search, "load_checkpoint"), (lpes_eval, "load_checkpoint"),
-                       (lpes_generate, "load_pretrained"), (lpes_latency, "init_params"),
-                       (bench_llama, "init_params")):
-    monkeypatch.setattr(module, name, _never)
-  return ["--model", str(path)]
-
-
-@pytest.fixture
 def no_training(monkeypatch):
   """Training any experiment's model fails the test."""
   monkeypatch.setattr(indirect_indexing.ii, "run_encoding", _never)

@@ -17,21 +17,6 @@ def gguf():
   return smollm2_gguf()
 
 
-def _never(*args, **kwargs):
-  raise AssertionError("work started before a usage error")
-
-
-@pytest.fixture
-def model(tmp_path, monkeypatch):
-  """A model file that exists; loading a model or tokenizer fails the test."""
-  path = tmp_path / "model.gguf"
-  path.write_bytes(b"")
-  for module in (moice_train, lpes_eval):
-    monkeypatch.setattr(module, "load_checkpoint", _never)
-    monkeypatch.setattr(module, "load_tokenizer", _never)
-  return ["--model", str(path)]
-
-
 def _usage_error(capsys, main, argv) -> str:
   with pytest.raises(SystemExit) as e:
     main(argv)
