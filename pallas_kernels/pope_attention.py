@@ -162,7 +162,10 @@ def _forward(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, ta
   if plan.bounded:
     bounded = bounded_tiles(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), magnitude_scale,
                             plan.tile_rows)
-  rot, trig = query_angles(freqs, phase, angle_pos, q_table, tables=plan.tables)
+  if plan.tables:
+    rot, trig = (jnp.cos(phase), jnp.sin(phase)), q_table
+  else:
+    rot, trig = (freqs, phase), angle_pos
   return b, pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, *tables[0], bounded,
                                plan=plan, magnitude_scale=magnitude_scale)
 
@@ -188,14 +191,6 @@ def key_map(k, k_trig):
   and its `key_table`. Forward only: the dk/dv kernel applies the map's VJP."""
   mag = st.softplus(jnp.concatenate([k, k], axis=-1))
   return (mag * k_trig).astype(k.dtype)
-
-
-def query_angles(freqs, phase, angle_pos, q_table, *, tables: bool):
-  """`pope_attention_fwd`'s (rot, trig): with `tables` (cos -δ, sin -δ) [N, H] and q_table
-  (`query_table`), else (θ [H], -δ [N, H]) and angle_pos [B or 1, T] float32."""
-  if not tables:
-    return (freqs, phase), angle_pos
-  return (jnp.cos(phase), jnp.sin(phase)), q_table
 
 
 def _query_vjp_in_kernel(dtype) -> bool:

@@ -1,11 +1,12 @@
 """Forward kernel of fused PoPE attention: flash attention over the Cartesian PoPE form.
 
 Each resident query tile is mapped in registers to a = [μq cos(tθ-δ), μq sin(tθ-δ)]·scale·log2 e
-(`_query_map`); b = [μk cos sθ, μk sin sθ] streams; O = softmax₂(a bᵀ) v with masking by
-position. Also returns the base-2 log-sum-exp and, for the backward, a.
+(`cartesian_halves`, PoPE Eq. 7-10); b = [μk cos sθ, μk sin sθ] streams; O = softmax₂(a bᵀ) v
+with masking by position. Also returns the base-2 log-sum-exp and, for the backward, a.
 
 Shape letters: B batch, T padded query length, S padded key length, N query heads, K kv heads,
-H head dim, D = 2H width of the Cartesian a and b, V value width (a multiple of 64).
+H head dim, D = 2H width of the Cartesian a and b, V value width (a multiple of 64), R rows of a
+tile; bq resident query rows, bk streamed key rows of the kernel.
 """
 
 from __future__ import annotations
@@ -22,15 +23,47 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _streaming as st
-from pallas_kernels._forward_steps import ROW_SUM_COLS, ItemSteps
-from pallas_kernels._query_map import (TABLE_DTYPE, cartesian_halves,  # noqa: F401
-                                       cartesian_halves_from_tables)
+from pallas_kernels import _warpgroup_ops as ops
 from pallas_kernels.pope_attention_config import BlockSizes
 
 
 # Tiles whose scores (log2 units) lie within ± this take exp2 of the scores (`bounded_softmax`):
 # P, its row sums and P V stay in float32's and bf16's range for S < 2**24 and |v| < 2**38.
 BOUNDED_SCORE_LIMIT = 64.0
+# Width of the ones tile and of the row-sum accumulator of `BlockSizes.row_sum_mma`: the
+# narrowest wgmma B operand (a 32-byte swizzle of 16-bit elements).
+ROW_SUM_COLS = 16
+# 2π in two parts (Cody-Waite): turns · _TWO_PI_HI is exact for |turns| < 2**16.
+_TWO_PI_HI = 6.28125
+_TWO_PI_LO = 2 * math.pi - _TWO_PI_HI
+# The query tables' dtype (`ForwardPlan.tables`): float16 holds [-1, 1] to 2**-12 (bf16: 2**-9).
+TABLE_DTYPE = jnp.float16
+
+
+def cartesian_halves(x, pos, freq, phase, magnitude_scale: float, dtype):
+  """(μ cos φ, μ sin φ)·magnitude_scale, each [R, H] in `dtype` (PoPE Eq. 7-10), μ =
+  softplus(x) of x [R, H], φ = pos·θ + phase from pos [R], freq θ and phase [H] float32: pos·θ
+  one float32 product as in the reference, reduced to [-π, π] before the phase is added."""
+  rows, h = x.shape
+  ang = st.broadcast(pos, (rows, h), 0) * st.broadcast(freq, (rows, h), 1)
+  turns = jnp.round(ang * (1 / (2 * math.pi)))
+  ang = ang - turns * _TWO_PI_HI - turns * _TWO_PI_LO + st.broadcast(phase, (rows, h), 1)
+  ang = jnp.where(ang > math.pi, ang - 2 * math.pi, jnp.where(ang < -math.pi, ang + 2 * math.pi,
+                                                              ang))
+  mag = st.softplus(x) * magnitude_scale
+  return (mag * jnp.cos(ang)).astype(dtype), (mag * jnp.sin(ang)).astype(dtype)
+
+
+def cartesian_halves_from_tables(x, cos_t, sin_t, cos_p, sin_p, magnitude_scale: float,
+                                 dtype):
+  """`cartesian_halves` from cos_t, sin_t [R, H] of pos·θ and cos_p, sin_p [H] float32 of the
+  phase, by angle addition (`ForwardPlan.tables`): two transcendentals, not four."""
+  rows, h = x.shape
+  cos_t, sin_t = cos_t.astype(jnp.float32), sin_t.astype(jnp.float32)
+  cos_p, sin_p = st.broadcast(cos_p, (rows, h), 1), st.broadcast(sin_p, (rows, h), 1)
+  mag = st.softplus(x) * magnitude_scale
+  return ((mag * (cos_t * cos_p - sin_t * sin_p)).astype(dtype),
+          (mag * (sin_t * cos_p + cos_t * sin_p)).astype(dtype))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,7 +117,7 @@ def _scratch(p: ForwardPlan) -> list:
   bq, bk, h, vd, wgs = p.blocks.block_q, p.blocks.block_kv, p.h, p.vd, p.warpgroups
   d, dtype, stages, tf = 2 * h, p.dtype, p.stages, st.tile_transforms()
   scratch = [plgpu.SMEM((wgs, bq, d), dtype, transforms=tf)] if p.a_in_smem else []
-  if p.tables:  # cos and sin of the query angles (`pope_attention.query_angles`)
+  if p.tables:  # cos and sin of the query angles (`pope_attention.query_table`)
     trig = [plgpu.SMEM((wgs, bq, h), TABLE_DTYPE, transforms=st.tile_transforms(h))] * 2
   else:  # the query angles' positions
     trig = [plgpu.SMEM((wgs, bq), jnp.float32)]
@@ -118,7 +151,9 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
 
   Args:
     q: [B, T, N, H] bf16/fp16 raw queries (before softplus).
-    rot, trig: the query angles (`pope_attention.query_angles`).
+    rot, trig: with `plan.tables` (cos -δ, sin -δ) [N, H] and the query table (cos, sin of
+      pos·θ [2, B or 1, T, H], `pope_attention.query_table`), else (θ [H], -δ [N, H]) and the
+      query angles' positions [B or 1, T] float32.
     b: [B, S, K, D] Cartesian keys, same dtype, D = 2H; v: [B, S, K, V] values, same dtype.
     q_pos: [B, T], k_pos: [B, S] float32 positions (padding: st.QUERY_PAD, st.KEY_PAD).
     table: [B, ceil(T / (W block_q)), 2 + 4 W] int32 from `st.visit_table`.
@@ -132,16 +167,18 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
     base-2 log-sum-exp (1e30 where no key is visible) and, with `plan.save_a`, a [B, T, N, D].
 
   Raises:
-    ValueError: trig's rank does not match `plan.tables`, or the buffers exceed SMEM.
+    ValueError: trig's rank does not match `plan.tables`, bounded does not match
+      `plan.bounded`, or the buffers exceed SMEM.
   """
   bsz, t_len, n_heads, h = q.shape
   kv_heads, vd = v.shape[2:]
   if trig.ndim != (4 if plan.tables else 2):
     raise ValueError(f"trig has shape {trig.shape}; the plan's tables are {plan.tables}")
+  if (bounded is not None) != plan.bounded:
+    raise ValueError(f"bounded flags must be given iff the plan's bounded ({plan.bounded}) is")
   kernel = _ForwardKernel(
       plan, t_len=t_len, n_heads=n_heads, group=n_heads // kv_heads,
-      magnitude_scale=magnitude_scale, has_bounded=bounded is not None,
-      rot_per_head=tuple(r.ndim != 1 for r in rot),
+      magnitude_scale=magnitude_scale, rot_per_head=tuple(r.ndim != 1 for r in rot),
       trig_batched=trig.shape[-3 if plan.tables else -2] > 1)
   scratch = _scratch(plan)
   st.check_smem(scratch, "forward", f"at {plan.stages} stages lower BlockSizes.stages, "
@@ -158,18 +195,17 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
 
 class _ForwardKernel:
   """The forward kernel's body: `pope_fwd_kernel` forks the warpgroups; each item of a compute
-  warpgroup loads and maps its queries, runs its steps (`ItemSteps`) and stores (`_item`)."""
+  warpgroup loads and maps its queries, runs its streamed steps (`_steps`) and stores (`_item`)."""
 
   def __init__(self, plan: ForwardPlan, *, t_len: int, n_heads: int, group: int,
-               magnitude_scale: float, has_bounded: bool, rot_per_head: tuple,
-               trig_batched: bool):
-    self.plan, self.blocks, self.stages, self.tables = plan, plan.blocks, plan.stages, plan.tables
-    self.save_a, self.dtype, self.h, self.vd = plan.save_a, plan.dtype, plan.h, plan.vd
-    self.t_len, self.n_heads, self.group = t_len, n_heads, group
-    self.magnitude_scale, self.has_bounded = magnitude_scale, has_bounded
-    self.rot_per_head, self.trig_batched = rot_per_head, trig_batched
+               magnitude_scale: float, rot_per_head: tuple, trig_batched: bool):
+    self.plan = plan
+    self.blocks = plan.blocks
     self.bq, self.bk, self.wgs = plan.blocks.block_q, plan.blocks.block_kv, plan.warpgroups
+    self.t_len, self.n_heads, self.group = t_len, n_heads, group
     self.n_tiles = -(-t_len // (self.wgs * self.bq))
+    self.magnitude_scale = magnitude_scale
+    self.rot_per_head, self.trig_batched = rot_per_head, trig_batched
     # The interpreter runs each warpgroup as its own XLA:CPU execution, and the handshake
     # hangs where they do not all start at once (few cores); the GPU check covers ping-pong.
     self.ping_pong = plan.ping_pong and not st.interpreted()
@@ -190,12 +226,12 @@ class _ForwardKernel:
                       kpos_ref, tab_ref, sched_ref, *rest):
     """The kernel: splits the refs (in `_scratch`'s order) and forks the warpgroups."""
     rest = list(rest)
-    bnd_ref = rest.pop(0) if self.has_bounded else None
+    bnd_ref = rest.pop(0) if self.plan.bounded else None
     o_ref, lse_ref = rest.pop(0), rest.pop(0)
-    a_ref = rest.pop(0) if self.save_a else None
+    a_ref = rest.pop(0) if self.plan.save_a else None
     a_smem = rest.pop(0) if self.plan.a_in_smem else None
     o_smem, qpos_smem, lse_smem, rot_smem, *rest = rest
-    n_trig = 2 if self.tables else 1
+    n_trig = 2 if self.plan.tables else 1
     trig_smem, rest = rest[:n_trig], rest[n_trig:]
     (b_smem, v_smem, kpos_smem, q_bar, qpos_bar, ready, consumed, handshake_bar, q_smem,
      *rest) = rest
@@ -217,7 +253,7 @@ class _ForwardKernel:
     def _memory():
       st.stream_keys(st.for_each_item(sched_ref), self.tile_of, tab_ref,
                      (b_ref, v_ref, kpos_ref), (b_smem, v_smem, kpos_smem), self.group,
-                     self.bk, self.stages, consumed, ready, self.memory_registers)
+                     self.bk, self.plan.stages, consumed, ready, self.memory_registers)
 
   def _compute(self, wg):
     """A compute warpgroup: its CTA's items in turn."""
@@ -227,7 +263,7 @@ class _ForwardKernel:
     self._load_queries(self.item_of(0), wg)
     if r.ones_smem is not None:  # P @ 1: the row sums of P (`BlockSizes.row_sum_mma`)
       r.ones_smem.at[wg][...] = plgpu.layout_cast(
-          jnp.ones((self.bk, ROW_SUM_COLS), self.dtype), plgpu.Layout.WGMMA)
+          jnp.ones((self.bk, ROW_SUM_COLS), self.plan.dtype), plgpu.Layout.WGMMA)
       plgpu.commit_smem()
     lax.fori_loop(0, self.count, lambda j, base: self._item(j, base, wg), jnp.int32(0))
     plgpu.wait_smem_to_gmem(0)
@@ -242,7 +278,7 @@ class _ForwardKernel:
       plgpu.copy_gmem_to_smem(ref.at[head] if self.rot_per_head[i] else ref,
                               r.rot_smem.at[wg, i], r.q_bar.at[wg])
     trig_batch = batch if self.trig_batched else 0
-    if self.tables:
+    if self.plan.tables:
       for i, buf in enumerate(r.trig_smem):
         plgpu.copy_gmem_to_smem(r.trig.at[i, trig_batch, rows], buf.at[wg], r.q_bar.at[wg])
     else:
@@ -265,21 +301,21 @@ class _ForwardKernel:
     with jax.named_scope("query_map"):
       x = plgpu.load(r.q_smem.at[wg], layout=plgpu.Layout.WGMMA)
       rot_rows = [st.row_vector(r.rot_smem.at[wg, i], 1) for i in range(2)]
-      if self.tables:
+      if self.plan.tables:
         cos_t, sin_t = (plgpu.load(buf.at[wg], layout=plgpu.Layout.WGMMA)
                         for buf in r.trig_smem)
         halves = cartesian_halves_from_tables(x, cos_t, sin_t, *rot_rows,
-                                              self.magnitude_scale, self.dtype)
+                                              self.magnitude_scale, self.plan.dtype)
       else:
         halves = cartesian_halves(x, st.row_vector(r.trig_smem[0].at[wg], 0), *rot_rows,
-                                  self.magnitude_scale, self.dtype)
+                                  self.magnitude_scale, self.plan.dtype)
       a = plgpu.layout_cast(jnp.concatenate(halves, axis=1), plgpu.Layout.WGMMA)
     return a, halves
 
   def _stage_a(self, a, halves, j, wg, batch, head, rows, live):
     """With `save_a`, stores a (through its SMEM tile, or each half through the output
     tile's); then issues the next item's query copies into the freed buffers."""
-    r, h = self.refs, self.h
+    r, h = self.refs, self.plan.h
     if r.a_smem is not None:  # (after the previous item's store of a has read it)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       r.a_smem.at[wg][...] = a
@@ -287,10 +323,10 @@ class _ForwardKernel:
     # before the next item's copies into them.
     plgpu.commit_smem()
     pl.when(j + 1 < self.count)(lambda: self._load_queries(self.item_of(j + 1), wg))
-    if self.save_a and r.a_smem is not None:
+    if self.plan.save_a and r.a_smem is not None:
       _when_live(live, lambda: plgpu.copy_smem_to_gmem(r.a_smem.at[wg],
                                                        r.a.at[batch, rows, head]))
-    elif self.save_a:  # (the final store waits for the second half's copy to have read it)
+    elif self.plan.save_a:  # (the final store waits for the second half's copy to have read it)
       for i, half in enumerate(halves):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         r.o_smem.at[wg][...] = half
@@ -315,28 +351,110 @@ class _ForwardKernel:
     qpos = st.row_vector(r.qpos_smem.at[wg], 0)
     self._stage_a(a, halves, j, wg, batch, head, rows, live)
     ranges = st.read_ranges(r.tab, batch, tile, wg)
-    steps = ItemSteps(self, wg, a, qpos, ranges, origin=ranges[0] - base)
+    origin = ranges[0] - base
+    steps = functools.partial(self._steps, wg, a, qpos, ranges, origin)
     if self.plan.bounded:  # per item: bounded scores skip the max
-      acc, m_i, l_i = lax.cond(bounded_item, lambda: steps.loops(True),
-                               lambda: steps.loops(False))
+      acc, m_i, l_i = lax.cond(bounded_item, lambda: steps(True), lambda: steps(False))
     else:
-      acc, m_i, l_i = steps.loops(False)
+      acc, m_i, l_i = steps(False)
     self._store(acc, m_i, l_i, wg, batch, head, rows, live)
     if self.ping_pong:  # the end of a run of ping-pong items
       pl.when(~bounded_item & ((j == self.count - 1) | self.is_bounded(j + 1)))(
           lambda: pl.when(wg == 0)(self.handshake))
     return base + ranges[1] - ranges[0]
 
+  def _steps(self, wg, a, qpos, ranges, origin, bounded):
+    """An item's streamed steps over its visit ranges, its first step the ring's step at
+    `origin` (`st.compute_loops`): (acc, m, l), m and l [bq] (l the row sums of exp2(s - m)).
+    Each step as written: QKᵀ, softmax, then PV (with P 1 under `row_sum_mma`), each awaited;
+    with ping-pong handshakes unless `bounded` (the second hands the tensor cores to the other
+    warpgroup once the softmax is done: ptxas may hoist its arrive; its wait stays here)."""
+    r, bq, wgmma = self.refs, self.bq, plgpu.Layout.WGMMA
+    pp = self.ping_pong and not bounded
+
+    def step(slot, carry, mode):
+      acc, m_i, l_i = carry
+      with jax.named_scope("qk"):
+        s_blk = ops.matmul(a, r.b_smem.at[slot].transpose((1, 0)), (bq, self.bk),
+                           then=self.handshake if pp else None)
+      m_i, l_i, p, alpha = self._softmax(s_blk, m_i, l_i, qpos, slot, mode, bounded)
+      if alpha is not None:
+        acc, l_i = self._rescale(acc, l_i, alpha)
+      if pp:
+        acc, m_i, l_i, p = lax.optimization_barrier((acc, m_i, l_i, p))
+        self.handshake()
+      with jax.named_scope("pv"):  # acc + P V and l + P 1, issued together
+        if r.ones_smem is None:
+          acc = ops.matmul_acc(acc, p, r.v_smem.at[slot])
+        else:
+          acc, l_i = ops.matmul_accs((acc, l_i), p, (r.v_smem.at[slot], r.ones_smem.at[wg]))
+      return acc, m_i, l_i
+
+    acc = plgpu.layout_cast(jnp.zeros((bq, self.plan.vd), jnp.float32), wgmma)
+    m_i = plgpu.layout_cast(jnp.full((bq,), 0.0 if bounded else st.M_INIT, jnp.float32),
+                            wgmma.reduce(1))
+    if r.ones_smem is None:
+      l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), wgmma.reduce(1))
+    else:
+      l_i = plgpu.layout_cast(jnp.zeros((bq, ROW_SUM_COLS), jnp.float32), wgmma)
+    acc, m_i, l_i = st.compute_loops(
+        ranges, origin, (acc, m_i, l_i), step, self.plan.stages, r.ready, r.consumed,
+        skipped=(lambda: (self.handshake(), self.handshake())) if pp else None)
+    if r.ones_smem is not None:  # every column holds the row sums
+      l_i = l_i.max(axis=1)
+    return acc, m_i, l_i
+
+  def _softmax(self, s_blk, m_i, l_i, qpos, slot, mode, bounded):
+    """Online softmax of one score tile: (m, l, P, alpha), alpha the per-row factor of the old
+    acc (`_rescale`; 1 where the max stays, None: no rescale); P in q's dtype. Under
+    `rescale_threshold` a row's max moves only when its block max exceeds it by more than
+    that, so P <= 2**rescale_threshold. With `bounded` (every score within
+    ±BOUNDED_SCORE_LIMIT) m stays 0: P = exp2(scores), no max and no rescale. Under
+    `row_sum_mma` the returned l lacks this step's P, which the PV step adds, and its rescale,
+    which `_rescale` applies."""
+    row_sums_here = self.refs.ones_smem is None
+    with jax.named_scope("softmax"):
+      if mode == "masked":
+        s_blk = st.causal_mask(s_blk, st.row_vector(self.refs.kpos_smem.at[slot], 1), qpos, 1)
+      if bounded:
+        p = jnp.exp2(s_blk)
+        if row_sums_here:
+          l_i = l_i + p.sum(axis=1)
+        return m_i, l_i, p.astype(self.plan.dtype), None
+      m_blk = s_blk.max(axis=1)
+      if self.blocks.rescale_threshold is None:
+        m_new = jnp.maximum(m_i, m_blk)
+      else:
+        m_new = jnp.where(m_blk > m_i + self.blocks.rescale_threshold, m_blk, m_i)
+      alpha = jnp.exp2(m_i - m_new)  # 1 where the max stays
+      p = jnp.exp2(s_blk - st.broadcast(m_new, (self.bq, self.bk), 0))
+      if row_sums_here:  # (else [bq, ROW_SUM_COLS], rescaled with acc; P @ 1 in the PV step)
+        l_i = l_i * alpha + p.sum(axis=1)
+      return m_new, l_i, p.astype(self.plan.dtype), alpha
+
+  def _rescale(self, acc, l_i, alpha):
+    """acc, and under `row_sum_mma` l, times `_softmax`'s per-row alpha; under
+    `rescale_threshold` only in the warps where some row's max moved (alpha < 1; in the
+    others every alpha is 1)."""
+    row_sum_mma = self.refs.ones_smem is not None
+    scaled = (acc, l_i) if row_sum_mma else (acc,)
+    times_alpha = lambda: tuple(x * st.broadcast(alpha, x.shape, 0) for x in scaled)
+    if self.blocks.rescale_threshold is None:
+      scaled = times_alpha()
+    else:
+      scaled = lax.cond(ops.warp_any(alpha < 1.0), times_alpha, lambda: scaled)
+    return scaled if row_sum_mma else (scaled[0], l_i)
+
   def _store(self, acc, m_i, l_i, wg, batch, head, rows, live):
     """out = acc / l and lse = m + log2(l) (zero rows and 1e30 where no key is visible)."""
-    r, bq, vd = self.refs, self.bq, self.vd
+    r, bq, vd = self.refs, self.bq, self.plan.vd
     with jax.named_scope("store"):
       # The copies of a (this item's) or of the output (the previous item's) must have
       # read the tiles first.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       empty = l_i == 0.0
       l_safe = jnp.where(empty, 1.0, l_i)
-      r.o_smem.at[wg][...] = (acc / st.broadcast(l_safe, (bq, vd), 0)).astype(self.dtype)
+      r.o_smem.at[wg][...] = (acc / st.broadcast(l_safe, (bq, vd), 0)).astype(self.plan.dtype)
       r.lse_smem.at[wg][...] = jnp.where(empty, 1e30,
                                          m_i + jnp.log(l_safe) * (1 / math.log(2)))
       plgpu.commit_smem()
