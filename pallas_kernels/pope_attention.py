@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -107,11 +108,23 @@ def _plan(blocks: BlockSizes, h: int, value_dim: int, dtype) -> _Plan:
   return _Plan(blocks, *(plan_forward(blocks, h, vd, dtype, save_a) for save_a in (False, True)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12, 13))
-def _flash(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, tables,
-           plan: _Plan, magnitude_scale: float, cartesian_map):
-  return _forward(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, tables,
-                  plan.inference, magnitude_scale)[1][0]
+class _Operands(NamedTuple):
+  """The kernels' operands that no gradient flows to (`_positions`, `_prepare`)."""
+  freqs: jax.Array      # [H] float32 θ
+  angle_pos: jax.Array  # [B or 1, T_pad] float32 query angle positions
+  q_table: jax.Array | None  # `query_table`, where a forward reads it
+  k_trig: jax.Array     # `key_table`
+  q_pos: jax.Array      # [B, T_pad] float32 masking positions with padding sentinels
+  k_pos: jax.Array      # [B, S_pad] likewise
+  tables: tuple         # per kernel (forward, dq, dk/dv): its visit table and schedule
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _flash(q, phase, k, v, operands: _Operands, plan: _Plan, magnitude_scale: float,
+           cartesian_map, key_len: int):
+  """The attention output of the padded q, v, raw k (of length `key_len`) and the query phase
+  -δ, differentiable in those four."""
+  return _forward(q, phase, k, v, operands, plan.inference, magnitude_scale)[1][0]
 
 
 def tile_score_bound(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
@@ -153,20 +166,19 @@ def bounded_tiles(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
   return (bound <= BOUNDED_SCORE_LIMIT).astype(jnp.int32)
 
 
-def _forward(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, tables,
-             plan: ForwardPlan, magnitude_scale):
+def _forward(q, phase, k, v, o: _Operands, plan: ForwardPlan, magnitude_scale):
   """The key map (`key_map`), zero-padded to the values' length, then the forward kernel (with
   bounded flags only under `bounded_softmax`)."""
-  b = _pad_to(key_map(k, k_trig), v.shape[1], 1)
+  b = _pad_to(key_map(k, o.k_trig), v.shape[1], 1)
   bounded = None
   if plan.bounded:
     bounded = bounded_tiles(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), magnitude_scale,
                             plan.tile_rows)
-  if plan.tables:
-    rot, trig = (jnp.cos(phase), jnp.sin(phase)), q_table
-  else:
-    rot, trig = (freqs, phase), angle_pos
-  return b, pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, *tables[0], bounded,
+  if plan.tables:  # the query angles: tables of pos·θ and the phase's cos, sin
+    rot, trig = (jnp.cos(phase), jnp.sin(phase)), o.q_table
+  else:  # θ, the phase and the angle positions
+    rot, trig = (o.freqs, phase), o.angle_pos
+  return b, pope_attention_fwd(q, rot, trig, b, v, o.q_pos, o.k_pos, *o.tables[0], bounded,
                                plan=plan, magnitude_scale=magnitude_scale)
 
 
@@ -200,21 +212,19 @@ def _query_vjp_in_kernel(dtype) -> bool:
   return jnp.dtype(dtype) != jnp.dtype(jnp.float16)
 
 
-def _flash_fwd(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, tables, plan,
-               magnitude_scale, cartesian_map):
-  b, (out, lse, a) = _forward(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos,
-                              tables, plan.training, magnitude_scale)
+def _flash_fwd(q, phase, k, v, operands, plan, magnitude_scale, cartesian_map, key_len):
+  b, (out, lse, a) = _forward(q, phase, k, v, operands, plan.training, magnitude_scale)
   query = () if _query_vjp_in_kernel(q.dtype) else (q, phase)  # for the map's VJP in XLA
-  key_len = jnp.zeros((k.shape[1], 0), jnp.int8)  # k's length S, without keeping k_trig
-  return out, (a, b, v, freqs, angle_pos, key_len, q_pos, k_pos, tables, out, lse, query)
+  return out, (a, b, v, operands._replace(q_table=None, k_trig=None), out, lse, query)
 
 
-def _flash_bwd(plan, magnitude_scale, cartesian_map, res, d_out):
+def _flash_bwd(plan, magnitude_scale, cartesian_map, key_len, res, d_out):
   blocks = plan.blocks
-  a, b, v, freqs, angle_pos, key_len, q_pos, k_pos, tables, out, lse, query = res
+  a, b, v, o, out, lse, query = res
   delta = jnp.einsum("btnv,btnv->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
   d_out = d_out.astype(a.dtype)
-  args = (a, b, v, d_out, lse, delta, q_pos, k_pos)
+  args = (a, b, v, d_out, lse, delta, o.q_pos, o.k_pos)
+  tables = o.tables
   h = a.shape[-1] // 2
   if not query:  # The dq kernel maps da: dq and each angle's gradient, summed into the phase's.
     dq_angle = pope_attention_dq(*args, *tables[1], blocks=blocks,
@@ -226,7 +236,7 @@ def _flash_bwd(plan, magnitude_scale, cartesian_map, res, d_out):
     if cartesian_map is None:
       raise ValueError("float16 gradients of pallas PoPE attention need `cartesian_map` (the "
                        "reference map `pope_jax.encodings.polar_to_cartesian`)")
-    ang = angle_pos[:, :, None, None] * freqs[None, None]                # [B|1, T_pad, 1, H]
+    ang = o.angle_pos[:, :, None, None] * o.freqs[None, None]            # [B|1, T_pad, 1, H]
     def query_map(q, phase):
       return (cartesian_map(q, ang, phase) * magnitude_scale).astype(q.dtype)
     _, map_vjp = jax.vjp(query_map, *query)
@@ -239,9 +249,8 @@ def _flash_bwd(plan, magnitude_scale, cartesian_map, res, d_out):
       x = x.reshape(bsz, s_pad, kv_heads, group, x.shape[-1]).astype(jnp.float32)
       return x.sum(3).astype(a.dtype)
     dk, dv = group_sum(dk), group_sum(dv)
-  dk = dk[:, :key_len.shape[0]]  # k is not padded (b is, after the map).
-  return (dq, dphase, dk, dv, jnp.zeros_like(freqs), jnp.zeros_like(angle_pos), None, None,
-          jnp.zeros_like(q_pos), jnp.zeros_like(k_pos), None)
+  dk = dk[:, :key_len]  # k is not padded (b is, after the map).
+  return dq, dphase, dk, dv, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -416,5 +425,6 @@ def pope_attention(q, k, v, delta=None, *, frequencies, q_positions, k_positions
   positions = _positions(q_positions, k_positions, frequencies, batch=q.shape[0], t_len=t_len,
                          s_len=s_len, is_causal=is_causal, plan=plan)
   qr, phase, kr, vp, *rest = _prepare(q, k, v, delta, positions, is_causal=is_causal, plan=plan)
-  out = _flash(qr, phase, kr, vp, frequencies, *rest, plan, scale * _LOG2E, cartesian_map)
+  out = _flash(qr, phase, kr, vp, _Operands(frequencies, *rest), plan, scale * _LOG2E,
+               cartesian_map, s_len)
   return out[:, :t_len, :, :v.shape[-1]]

@@ -10,9 +10,6 @@ import math
 
 # The largest `BlockSizes.rescale_threshold`: P is at most 2**15, inside float16's range.
 MAX_RESCALE_THRESHOLD = 15.0
-_INTS = ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv", "block_q_dkv",
-         "stages")
-_BOOLS = ("ping_pong", "overlap_bwd", "split_dkv", "row_sum_mma", "bounded_softmax")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,28 +51,27 @@ class BlockSizes:
   rescale_threshold: float | None = None
 
   def __post_init__(self):
-    for field in _INTS + ("forward_warpgroups",) * (self.forward_warpgroups is not None):
-      value = getattr(self, field)
-      if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"BlockSizes.{field} must be an int, got {value!r}")
-    for field in _BOOLS:
-      if not isinstance(getattr(self, field), bool):
-        raise TypeError(f"BlockSizes.{field} must be a bool, got {getattr(self, field)!r}")
-    for field in _INTS[:-1]:
-      value = getattr(self, field)
-      if value <= 0 or value % 64:
-        raise ValueError(f"BlockSizes.{field} must be a positive multiple of 64, got {value}")
+    for field in dataclasses.fields(self):  # field.type: the annotation's text (__future__)
+      name, value = field.name, getattr(self, field.name)
+      if field.type == "float | None" or (field.type == "int | None" and value is None):
+        continue  # (rescale_threshold is checked below)
+      want = bool if field.type == "bool" else int
+      if not isinstance(value, want) or isinstance(value, bool) != (want is bool):
+        raise TypeError(f"BlockSizes.{name} must be {'a bool' if want is bool else 'an int'}, "
+                        f"got {value!r}")
+      if name.startswith("block_") and (value <= 0 or value % 64):
+        raise ValueError(f"BlockSizes.{name} must be a positive multiple of 64, got {value}")
     if self.stages < 2:
       raise ValueError(f"BlockSizes.stages must be at least 2, got {self.stages}")
     if self.forward_warpgroups not in (None, 2, 3):
       raise ValueError("BlockSizes.forward_warpgroups must be 2, 3 or None, got "
                        f"{self.forward_warpgroups}")
-    if self.rescale_threshold is not None and (
-        not isinstance(self.rescale_threshold, (int, float))
-        or isinstance(self.rescale_threshold, bool)
-        or not 0.0 <= self.rescale_threshold <= MAX_RESCALE_THRESHOLD):
+    threshold = self.rescale_threshold
+    if threshold is not None and (not isinstance(threshold, (int, float))
+                                  or isinstance(threshold, bool)
+                                  or not 0.0 <= threshold <= MAX_RESCALE_THRESHOLD):
       raise ValueError("BlockSizes.rescale_threshold must be None or a number of log2 units in "
-                       f"[0, {MAX_RESCALE_THRESHOLD}], got {self.rescale_threshold!r}")
+                       f"[0, {MAX_RESCALE_THRESHOLD}], got {threshold!r}")
 
   @property
   def seq_multiple(self) -> int:
