@@ -112,35 +112,36 @@ def plan_forward(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool) -> Fo
   return dataclasses.replace(plan, tables=fits(tables=True))
 
 
-def _scratch(p: ForwardPlan) -> list:
-  """The forward kernel's SMEM buffers and barriers, in the kernel's argument order."""
+def _scratch(p: ForwardPlan) -> dict:
+  """The forward kernel's SMEM buffers and barriers by name, in the kernel's argument order."""
   bq, bk, h, vd, wgs = p.blocks.block_q, p.blocks.block_kv, p.h, p.vd, p.warpgroups
   d, dtype, stages, tf = 2 * h, p.dtype, p.stages, st.tile_transforms()
-  scratch = [plgpu.SMEM((wgs, bq, d), dtype, transforms=tf)] if p.a_in_smem else []
+  scratch = {"a_smem": plgpu.SMEM((wgs, bq, d), dtype, transforms=tf)} if p.a_in_smem else {}
   if p.tables:  # cos and sin of the query angles (`pope_attention.query_table`)
-    trig = [plgpu.SMEM((wgs, bq, h), TABLE_DTYPE, transforms=st.tile_transforms(h))] * 2
+    trig = (plgpu.SMEM((wgs, bq, h), TABLE_DTYPE, transforms=st.tile_transforms(h)),) * 2
   else:  # the query angles' positions
-    trig = [plgpu.SMEM((wgs, bq), jnp.float32)]
-  scratch += [
-      plgpu.SMEM((wgs, bq, vd), dtype, transforms=tf),
-      plgpu.SMEM((wgs, bq), jnp.float32),
-      plgpu.SMEM((wgs, bq), jnp.float32),
-      plgpu.SMEM((wgs, 2, h), jnp.float32),
-      *trig,
-      plgpu.SMEM((stages, bk, d), dtype, transforms=tf),
-      plgpu.SMEM((stages, bk, vd), dtype, transforms=tf),
-      plgpu.SMEM((stages, bk), jnp.float32),
-      plgpu.Barrier(num_arrivals=3 + len(trig), num_barriers=wgs),
-      plgpu.Barrier(num_barriers=wgs),
-      st.ready_barrier(stages, 3),
-      plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+    trig = (plgpu.SMEM((wgs, bq), jnp.float32),)
+  scratch |= {
+      "o_smem": plgpu.SMEM((wgs, bq, vd), dtype, transforms=tf),
+      "qpos_smem": plgpu.SMEM((wgs, bq), jnp.float32),
+      "lse_smem": plgpu.SMEM((wgs, bq), jnp.float32),
+      "rot_smem": plgpu.SMEM((wgs, 2, h), jnp.float32),
+      "trig_smem": trig,
+      "b_smem": plgpu.SMEM((stages, bk, d), dtype, transforms=tf),
+      "v_smem": plgpu.SMEM((stages, bk, vd), dtype, transforms=tf),
+      "kpos_smem": plgpu.SMEM((stages, bk), jnp.float32),
+      "q_bar": plgpu.Barrier(num_arrivals=3 + len(trig), num_barriers=wgs),
+      "qpos_bar": plgpu.Barrier(num_barriers=wgs),
+      "ready": st.ready_barrier(stages, 3),
+      "consumed": plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
       # the ping-pong handshake (with three warpgroups unused, as in the tuned programs)
-      plgpu.Barrier(num_arrivals=wgs) if wgs == 2 else plgpu.Barrier(num_barriers=wgs),
-      plgpu.SMEM((wgs, bq, h), dtype, transforms=st.tile_transforms(h)),
-  ]
+      "handshake_bar": (plgpu.Barrier(num_arrivals=wgs) if wgs == 2
+                        else plgpu.Barrier(num_barriers=wgs)),
+      "q_smem": plgpu.SMEM((wgs, bq, h), dtype, transforms=st.tile_transforms(h)),
+  }
   if p.blocks.row_sum_mma:
-    scratch.append(plgpu.SMEM((wgs, bk, ROW_SUM_COLS), dtype,
-                              transforms=st.tile_transforms(ROW_SUM_COLS)))
+    scratch["ones_smem"] = plgpu.SMEM((wgs, bk, ROW_SUM_COLS), dtype,
+                                      transforms=st.tile_transforms(ROW_SUM_COLS))
   return scratch
 
 
@@ -180,15 +181,14 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
       plan, t_len=t_len, n_heads=n_heads, group=n_heads // kv_heads,
       magnitude_scale=magnitude_scale, rot_per_head=tuple(r.ndim != 1 for r in rot),
       trig_batched=trig.shape[-3 if plan.tables else -2] > 1)
-  scratch = _scratch(plan)
-  st.check_smem(scratch, "forward", f"at {plan.stages} stages lower BlockSizes.stages, "
+  st.check_smem(kernel.scratch, "forward", f"at {plan.stages} stages lower BlockSizes.stages, "
                 "block_kv or block_q" + (", or set forward_warpgroups 2 (or None)"
                                          if plan.warpgroups == 3 else ""))
   out_type = (jax.ShapeDtypeStruct((bsz, t_len, n_heads, vd), q.dtype),
               jax.ShapeDtypeStruct((bsz, n_heads, t_len), jnp.float32))
   if plan.save_a:
     out_type += (jax.ShapeDtypeStruct((bsz, t_len, n_heads, 2 * h), q.dtype),)
-  return st.launch(kernel.pope_fwd_kernel, out_type, scratch, ctas=schedule.shape[0],
+  return st.launch(kernel.pope_fwd_kernel, out_type, tuple(kernel.scratch.values()), ctas=schedule.shape[0],
                    compute_wgs=plan.warpgroups)(
       q, *rot, trig, b, v, q_pos, k_pos, table, schedule, *([] if bounded is None else [bounded]))
 
@@ -210,6 +210,7 @@ class _ForwardKernel:
     # hangs where they do not all start at once (few cores); the GPU check covers ping-pong.
     self.ping_pong = plan.ping_pong and not st.interpreted()
     self.registers, self.memory_registers = st.warpgroup_registers(self.wgs)
+    self.scratch = _scratch(plan)
 
   def query_rows(self, tile, wg):
     """(rows, live) of a warpgroup's query tile: tiles past T (three warpgroups) load the last
@@ -224,26 +225,17 @@ class _ForwardKernel:
 
   def pope_fwd_kernel(self, q_ref, rot0_ref, rot1_ref, trig_ref, b_ref, v_ref, qpos_ref,
                       kpos_ref, tab_ref, sched_ref, *rest):
-    """The kernel: splits the refs (in `_scratch`'s order) and forks the warpgroups."""
+    """The kernel: names the refs (the scratch as `_scratch` does) and forks the warpgroups."""
     rest = list(rest)
     bnd_ref = rest.pop(0) if self.plan.bounded else None
     o_ref, lse_ref = rest.pop(0), rest.pop(0)
     a_ref = rest.pop(0) if self.plan.save_a else None
-    a_smem = rest.pop(0) if self.plan.a_in_smem else None
-    o_smem, qpos_smem, lse_smem, rot_smem, *rest = rest
-    n_trig = 2 if self.plan.tables else 1
-    trig_smem, rest = rest[:n_trig], rest[n_trig:]
-    (b_smem, v_smem, kpos_smem, q_bar, qpos_bar, ready, consumed, handshake_bar, q_smem,
-     *rest) = rest
-    ones_smem = rest.pop(0) if self.blocks.row_sum_mma else None
-    self.refs = types.SimpleNamespace(
+    smem = {"a_smem": None, "ones_smem": None} | dict(zip(self.scratch, rest))
+    self.refs = r = types.SimpleNamespace(
         q=q_ref, rot=(rot0_ref, rot1_ref), trig=trig_ref, qpos=qpos_ref, tab=tab_ref,
-        sched=sched_ref, bnd=bnd_ref, o=o_ref, lse=lse_ref, a=a_ref, a_smem=a_smem,
-        o_smem=o_smem, qpos_smem=qpos_smem, lse_smem=lse_smem, rot_smem=rot_smem,
-        trig_smem=trig_smem, b_smem=b_smem, v_smem=v_smem, kpos_smem=kpos_smem, q_bar=q_bar,
-        qpos_bar=qpos_bar, ready=ready, consumed=consumed, q_smem=q_smem, ones_smem=ones_smem)
+        sched=sched_ref, bnd=bnd_ref, o=o_ref, lse=lse_ref, a=a_ref, **smem)
     wg = lax.axis_index("wg")
-    self.handshake = lambda: st.schedule_barrier(handshake_bar)
+    self.handshake = lambda: st.schedule_barrier(r.handshake_bar)
 
     @pl.when(wg < self.wgs)
     def _compute():
@@ -252,8 +244,8 @@ class _ForwardKernel:
     @pl.when(wg == self.wgs)
     def _memory():
       st.stream_keys(st.for_each_item(sched_ref), self.tile_of, tab_ref,
-                     (b_ref, v_ref, kpos_ref), (b_smem, v_smem, kpos_smem), self.group,
-                     self.bk, self.plan.stages, consumed, ready, self.memory_registers)
+                     (b_ref, v_ref, kpos_ref), (r.b_smem, r.v_smem, r.kpos_smem), self.group,
+                     self.bk, self.plan.stages, r.consumed, r.ready, self.memory_registers)
 
   def _compute(self, wg):
     """A compute warpgroup: its CTA's items in turn."""
