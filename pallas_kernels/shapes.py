@@ -41,45 +41,33 @@ class AttentionShape:
     return flops / 2 if self.is_causal else flops
 
 
-def _bench(head_dim: int) -> AttentionShape:
-  return AttentionShape(batch=4, q_len=4096, k_len=4096, num_heads=16, num_kv_heads=16,
-                        head_dim=head_dim, value_dim=head_dim)
+def _shape(b: int, t: int, s: int, n: int, k: int, h: int, v: int, **kw) -> AttentionShape:
+  """An `AttentionShape` from its letters B, T, S, N, K, H, V (and keyword fields)."""
+  return AttentionShape(batch=b, q_len=t, k_len=s, num_heads=n, num_kv_heads=k, head_dim=h,
+                        value_dim=v, **kw)
 
 
 SHAPES: dict[str, AttentionShape] = {
-    "bench_h64": _bench(64),
-    "bench_h128": _bench(128),
+    "bench_h64": _shape(4, 4096, 4096, 16, 16, 64, 64),
+    "bench_h128": _shape(4, 4096, 4096, 16, 16, 128, 128),
     # Small problems for GPU correctness checks (lengths off the block grid, GQA, Tq < Tk).
-    "check_h32_gqa": AttentionShape(batch=2, q_len=200, k_len=333, num_heads=4, num_kv_heads=2,
-                                    head_dim=32, value_dim=32),
-    "check_h64": AttentionShape(batch=2, q_len=1000, k_len=1000, num_heads=4, num_kv_heads=4,
-                                head_dim=64, value_dim=64),
-    "check_h64_noncausal": AttentionShape(batch=1, q_len=300, k_len=777, num_heads=4,
-                                          num_kv_heads=1, head_dim=64, value_dim=64,
-                                          is_causal=False),
-    "check_h128": AttentionShape(batch=1, q_len=513, k_len=1024, num_heads=2, num_kv_heads=1,
-                                 head_dim=128, value_dim=128),
+    "check_h32_gqa": _shape(2, 200, 333, 4, 2, 32, 32),
+    "check_h64": _shape(2, 1000, 1000, 4, 4, 64, 64),
+    "check_h64_noncausal": _shape(1, 300, 777, 4, 1, 64, 64, is_causal=False),
+    "check_h128": _shape(1, 513, 1024, 2, 1, 128, 128),
     # Value width other than the head dim: the forward stages queries in their own SMEM tile.
-    "check_h128_v64": AttentionShape(batch=1, q_len=400, k_len=400, num_heads=2, num_kv_heads=2,
-                                     head_dim=128, value_dim=64),
-    "check_h32_v96_gqa": AttentionShape(batch=1, q_len=130, k_len=260, num_heads=4,
-                                        num_kv_heads=1, head_dim=32, value_dim=96,
-                                        is_causal=False),
+    "check_h128_v64": _shape(1, 400, 400, 2, 2, 128, 64),
+    "check_h32_v96_gqa": _shape(1, 130, 260, 4, 1, 32, 96, is_causal=False),
     # More resident tiles than the H200's 132 SMs: each persistent CTA runs two or three (the
     # next tile's query prefetch and the ring of slots across tiles).
-    "check_h64_persistent": AttentionShape(batch=2, q_len=3000, k_len=3000, num_heads=8,
-                                           num_kv_heads=2, head_dim=64, value_dim=64),
-    "check_h32_persistent": AttentionShape(batch=1, q_len=2100, k_len=2500, num_heads=16,
-                                           num_kv_heads=4, head_dim=32, value_dim=32),
+    "check_h64_persistent": _shape(2, 3000, 3000, 8, 2, 64, 64),
+    "check_h32_persistent": _shape(1, 2100, 2500, 16, 4, 32, 32),
     # KV-cache decoding: one query after 700 keys; the second warpgroup's rows are all padding.
-    "check_h64_decode": AttentionShape(batch=2, q_len=1, k_len=700, num_heads=8, num_kv_heads=2,
-                                       head_dim=64, value_dim=64),
+    "check_h64_decode": _shape(2, 1, 700, 8, 2, 64, 64),
     # Large magnitudes (softplus up to ~25, scores up to ~200 log2 units): the bf16 rounding of
     # the Cartesian q' and k' (2**-9 relative) moves the scores by up to ~0.5, a few % of the
     # output; every expanded bf16 path (cuDNN, tokamax) rounds them the same way.
-    "check_h64_large": AttentionShape(batch=1, q_len=512, k_len=512, num_heads=2,
-                                      num_kv_heads=1, head_dim=64, value_dim=64,
-                                      input_scale=8.0),
+    "check_h64_large": _shape(1, 512, 512, 2, 1, 64, 64, input_scale=8.0),
 }
 # `bench_attention --check` tolerances (max |error| / max |reference|, output and gradients)
 # of shapes whose bf16 operands alone are off by more than the default. check_h64_large: 0.12
