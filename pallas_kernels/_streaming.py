@@ -36,7 +36,6 @@ COMPUTE_WGS = 2
 KEY_PAD = 1e9
 QUERY_PAD = -1e9
 QUERY_SEES_ALL = 5e8
-NEG_INF = float("-inf")
 M_INIT = -1e30
 
 
@@ -221,7 +220,7 @@ def causal_mask(scores, k_pos, q_pos, key_axis: int):
   -inf."""
   visible = (broadcast(k_pos, scores.shape, key_axis)
              <= broadcast(q_pos, scores.shape, 1 - key_axis))
-  return jnp.where(visible, scores, NEG_INF)
+  return jnp.where(visible, scores, float("-inf"))
 
 
 # --- The memory warpgroup: one ring of SMEM slots over all of a CTA's items.
@@ -287,22 +286,6 @@ def stream_keys(for_items, tile_of, tab_ref, gmem, smem, group: int, block_kv: i
   memory_warpgroup(for_items, stages, consumed, ready, visit, copies, registers)
 
 
-# --- The compute warpgroups: registers and the ping-pong handshake.
-
-def warpgroup_registers(wgs: int) -> tuple[int, int]:
-  """Registers per thread (compute, memory warpgroup) with `wgs` compute warpgroups: the 64 K of
-  an SM split as FlashAttention-3 does."""
-  return (232, 40) if wgs == 2 else (160, 32)
-
-
-def schedule_barrier(barrier) -> None:
-  """One handshake of the two compute warpgroups' ping-pong (FlashAttention-3 §3.1): each passes
-  when the other arrived, so one's softmax overlaps the other's matmuls."""
-  with jax.named_scope("handshake"):
-    plgpu.barrier_arrive(barrier)
-    plgpu.barrier_wait(barrier)
-
-
 # --- SMEM budget, platform and compiler settings.
 
 def smem_bytes(scratch) -> int:
@@ -327,13 +310,6 @@ def check_smem(scratch, kernel: str, hint: str) -> None:
                      f"than the {limit} available: {hint}")
 
 
-def launch(body, out_type, scratch, *, ctas: int, compute_wgs: int):
-  """`plgpu.kernel` of a body with `compute_wgs` compute warpgroups and one memory warpgroup."""
-  return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(ctas,),
-                      grid_names=("cta",), num_threads=compute_wgs + 1, thread_name="wg",
-                      compiler_params=compiler_params())
-
-
 def interpreted() -> bool:
   return jax.default_backend() != "gpu"
 
@@ -344,12 +320,16 @@ PROFILE_DIR_ENV = "POPE_KERNEL_PROFILE_DIR"
 PROFILE_SPACE = 512  # scopes recorded per warpgroup and call; later ones are dropped
 
 
-def compiler_params() -> plgpu.CompilerParams:
-  """Mosaic GPU settings of every kernel here (approximate math; the profiler, PROFILE_DIR_ENV)."""
+def launch(body, out_type, scratch, *, ctas: int, compute_wgs: int):
+  """`plgpu.kernel` of a body with `compute_wgs` compute warpgroups and one memory warpgroup,
+  with approximate math and, under PROFILE_DIR_ENV, the profiler."""
   profile_dir = os.environ.get(PROFILE_DIR_ENV, "")
-  return plgpu.CompilerParams(approx_math=True, profile_dir=profile_dir,
-                              profile_space=PROFILE_SPACE if profile_dir else 0,
-                              profile_bounds_check=bool(profile_dir))
+  params = plgpu.CompilerParams(approx_math=True, profile_dir=profile_dir,
+                                profile_space=PROFILE_SPACE if profile_dir else 0,
+                                profile_bounds_check=bool(profile_dir))
+  return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(ctas,),
+                      grid_names=("cta",), num_threads=compute_wgs + 1, thread_name="wg",
+                      compiler_params=params)
 
 
 # --- Register layouts.

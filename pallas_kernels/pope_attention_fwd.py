@@ -209,7 +209,9 @@ class _ForwardKernel:
     # The interpreter runs each warpgroup as its own XLA:CPU execution, and the handshake
     # hangs where they do not all start at once (few cores); the GPU check covers ping-pong.
     self.ping_pong = plan.ping_pong and not st.interpreted()
-    self.registers, self.memory_registers = st.warpgroup_registers(self.wgs)
+    # Registers per thread (compute, memory warpgroup): the 64 K of an SM split as
+    # FlashAttention-3 does.
+    self.registers, self.memory_registers = (232, 40) if self.wgs == 2 else (160, 32)
     self.scratch = _scratch(plan)
 
   def query_rows(self, tile, wg):
@@ -235,7 +237,6 @@ class _ForwardKernel:
         q=q_ref, rot=(rot0_ref, rot1_ref), trig=trig_ref, qpos=qpos_ref, tab=tab_ref,
         sched=sched_ref, bnd=bnd_ref, o=o_ref, lse=lse_ref, a=a_ref, **smem)
     wg = lax.axis_index("wg")
-    self.handshake = lambda: st.schedule_barrier(r.handshake_bar)
 
     @pl.when(wg < self.wgs)
     def _compute():
@@ -246,6 +247,13 @@ class _ForwardKernel:
       st.stream_keys(st.for_each_item(sched_ref), self.tile_of, tab_ref,
                      (b_ref, v_ref, kpos_ref), (r.b_smem, r.v_smem, r.kpos_smem), self.group,
                      self.bk, self.plan.stages, r.consumed, r.ready, self.memory_registers)
+
+  def handshake(self):
+    """One handshake of the two compute warpgroups' ping-pong (FlashAttention-3 §3.1): each
+    passes when the other arrived, so one's softmax overlaps the other's matmuls."""
+    with jax.named_scope("handshake"):
+      plgpu.barrier_arrive(self.refs.handshake_bar)
+      plgpu.barrier_wait(self.refs.handshake_bar)
 
   def _compute(self, wg):
     """A compute warpgroup: its CTA's items in turn."""
