@@ -55,8 +55,8 @@ def unsupported_reason(q, k, v) -> str | None:
   if k.dtype != q.dtype or v.dtype != q.dtype:
     return (f"pallas PoPE attention needs one dtype for query, key, value; got {q.dtype}, "
             f"{k.dtype}, {v.dtype}")
-  if _mismatch(q, k, v):
-    return _mismatch(q, k, v)
+  if mismatch := _mismatch(q, k, v):
+    return mismatch
   if v.shape[-1] > MAX_VALUE_DIM:
     return f"value head dim {v.shape[-1]} exceeds {MAX_VALUE_DIM}"
   return None
@@ -108,23 +108,36 @@ def _plan(blocks: BlockSizes, h: int, value_dim: int, dtype) -> _Plan:
   return _Plan(blocks, *(plan_forward(blocks, h, vd, dtype, save_a) for save_a in (False, True)))
 
 
-class _Operands(NamedTuple):
-  """The kernels' operands that no gradient flows to (`_positions`, `_prepare`)."""
-  freqs: jax.Array      # [H] float32 θ
-  angle_pos: jax.Array  # [B or 1, T_pad] float32 query angle positions
-  q_table: jax.Array | None  # `query_table`, where a forward reads it
-  k_trig: jax.Array     # `key_table`
-  q_pos: jax.Array      # [B, T_pad] float32 masking positions with padding sentinels
-  k_pos: jax.Array      # [B, S_pad] likewise
-  tables: tuple         # per kernel (forward, dq, dk/dv): its visit table and schedule
+def _resident_blocks(plan: _Plan) -> tuple[tuple[int, int, bool, int], ...]:
+  """Per kernel (forward, dq, dk/dv): its resident and streamed tile sizes, whether the
+  resident tiles are queries, and its compute warpgroups."""
+  blocks = plan.blocks
+  return ((blocks.block_q, blocks.block_kv, True, plan.inference.warpgroups),
+          (blocks.block_q_dq, blocks.block_kv_dq, True, st.COMPUTE_WGS),
+          (blocks.block_kv_dkv, blocks.block_q_dkv, False, st.COMPUTE_WGS))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _flash(q, phase, k, v, operands: _Operands, plan: _Plan, magnitude_scale: float,
-           cartesian_map, key_len: int):
-  """The attention output of the padded q, v, raw k (of length `key_len`) and the query phase
-  -δ, differentiable in those four."""
-  return _forward(q, phase, k, v, operands, plan.inference, magnitude_scale)[1][0]
+def query_table(angle_pos, freqs):
+  """cos(pos·θ), sin(pos·θ) [2, B or 1, T, H] in `TABLE_DTYPE` (pos·θ in float32) from
+  angle_pos [B or 1, T] float32 and freqs [H] float32 θ (`ForwardPlan.tables`)."""
+  ang = angle_pos[:, :, None] * freqs
+  return jnp.stack([jnp.cos(ang), jnp.sin(ang)]).astype(TABLE_DTYPE)
+
+
+def key_table(k_positions, freqs):
+  """[cos sθ, sin sθ] [B or 1, S, 1, 2H] float32 (sθ one float32 product) from k_positions
+  [S] or [B, S] and freqs [H] float32 θ: the factor of `key_map`."""
+  pos = k_positions.astype(jnp.float32)
+  ang = (pos if pos.ndim == 2 else pos[None])[:, :, None, None] * freqs[None, None]
+  return jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=-1)
+
+
+def key_map(k, k_trig):
+  """The Cartesian keys b = [μk cos sθ, μk sin sθ] (PoPE Eq. 7-10; the phase sits on the
+  queries), μk = `_streaming.softplus`(k), [B, S, K, 2H] in k's dtype, from k [B, S, K, H]
+  and its `key_table`. Forward only: the dk/dv kernel applies the map's VJP."""
+  mag = st.softplus(jnp.concatenate([k, k], axis=-1))
+  return (mag * k_trig).astype(k.dtype)
 
 
 def tile_score_bound(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
@@ -166,6 +179,25 @@ def bounded_tiles(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
   return (bound <= BOUNDED_SCORE_LIMIT).astype(jnp.int32)
 
 
+class _Operands(NamedTuple):
+  """The kernels' operands that no gradient flows to (`_positions`, `_prepare`)."""
+  freqs: jax.Array      # [H] float32 θ
+  angle_pos: jax.Array  # [B or 1, T_pad] float32 query angle positions
+  q_table: jax.Array | None  # `query_table`, where a forward reads it
+  k_trig: jax.Array     # `key_table`
+  q_pos: jax.Array      # [B, T_pad] float32 masking positions with padding sentinels
+  k_pos: jax.Array      # [B, S_pad] likewise
+  tables: tuple         # per kernel (forward, dq, dk/dv): its visit table and schedule
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _flash(q, phase, k, v, operands: _Operands, plan: _Plan, magnitude_scale: float,
+           cartesian_map, key_len: int):
+  """The attention output of the padded q, v, raw k (of length `key_len`) and the query phase
+  -δ, differentiable in those four."""
+  return _forward(q, phase, k, v, operands, plan.inference, magnitude_scale)[1][0]
+
+
 def _forward(q, phase, k, v, o: _Operands, plan: ForwardPlan, magnitude_scale):
   """The key map (`key_map`), zero-padded to the values' length, then the forward kernel (with
   bounded flags only under `bounded_softmax`)."""
@@ -180,29 +212,6 @@ def _forward(q, phase, k, v, o: _Operands, plan: ForwardPlan, magnitude_scale):
     rot, trig = (o.freqs, phase), o.angle_pos
   return b, pope_attention_fwd(q, rot, trig, b, v, o.q_pos, o.k_pos, *o.tables[0], bounded,
                                plan=plan, magnitude_scale=magnitude_scale)
-
-
-def query_table(angle_pos, freqs):
-  """cos(pos·θ), sin(pos·θ) [2, B or 1, T, H] in `TABLE_DTYPE` (pos·θ in float32) from
-  angle_pos [B or 1, T] float32 and freqs [H] float32 θ (`ForwardPlan.tables`)."""
-  ang = angle_pos[:, :, None] * freqs
-  return jnp.stack([jnp.cos(ang), jnp.sin(ang)]).astype(TABLE_DTYPE)
-
-
-def key_table(k_positions, freqs):
-  """[cos sθ, sin sθ] [B or 1, S, 1, 2H] float32 (sθ one float32 product) from k_positions
-  [S] or [B, S] and freqs [H] float32 θ: the factor of `key_map`."""
-  pos = k_positions.astype(jnp.float32)
-  ang = (pos if pos.ndim == 2 else pos[None])[:, :, None, None] * freqs[None, None]
-  return jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=-1)
-
-
-def key_map(k, k_trig):
-  """The Cartesian keys b = [μk cos sθ, μk sin sθ] (PoPE Eq. 7-10; the phase sits on the
-  queries), μk = `_streaming.softplus`(k), [B, S, K, 2H] in k's dtype, from k [B, S, K, H]
-  and its `key_table`. Forward only: the dk/dv kernel applies the map's VJP."""
-  mag = st.softplus(jnp.concatenate([k, k], axis=-1))
-  return (mag * k_trig).astype(k.dtype)
 
 
 def _query_vjp_in_kernel(dtype) -> bool:
@@ -254,15 +263,6 @@ def _flash_bwd(plan, magnitude_scale, cartesian_map, key_len, res, d_out):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
-
-
-def _resident_blocks(plan: _Plan) -> tuple[tuple[int, int, bool, int], ...]:
-  """Per kernel (forward, dq, dk/dv): its resident and streamed tile sizes, whether the
-  resident tiles are queries, and its compute warpgroups."""
-  blocks = plan.blocks
-  return ((blocks.block_q, blocks.block_kv, True, plan.inference.warpgroups),
-          (blocks.block_q_dq, blocks.block_kv_dq, True, st.COMPUTE_WGS),
-          (blocks.block_kv_dkv, blocks.block_q_dkv, False, st.COMPUTE_WGS))
 
 
 @functools.partial(jax.jit, static_argnames=("batch", "t_len", "s_len", "is_causal", "plan"))
