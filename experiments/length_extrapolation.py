@@ -29,6 +29,7 @@ from __future__ import annotations
 
 
 from experiments import common
+from pope_jax import analysis
 from pope_jax.tasks import length_extrapolation as task
 
 
@@ -47,6 +48,11 @@ def main(argv: list[str] | None = None) -> dict:
     lm_preset = common.resolve_lm_preset(args)
   except ValueError as e:  # A config that refuses a flag's value: a usage error.
     parser.error(str(e))
+  try:
+    analysis.check_memory(lm_preset.model, args.eval_batch_size or preset.eval_batch_size,
+                          task.eval_lengths(preset, lm_preset))
+  except ValueError as e:
+    parser.error(f"--eval-batch-size: {e}")
   with common.locked(parser, args.out), common.usage_errors(parser):
     return task.run(preset, lm_preset, args.out, resume=args.resume,
                     progress=not args.no_progress, seeds=seeds, data_dir=args.data_dir,

@@ -181,6 +181,24 @@ def default_memory_budget() -> int:
   return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
+def check_memory(config: ModelConfig, batch_size: int, lengths: Sequence[int],
+                 memory_budget: int | None = None) -> None:
+  """Refuses evaluation lengths whose attention scores (`attention_score_bytes`) exceed the
+  memory budget (default `default_memory_budget()`).
+
+  Raises:
+    ValueError: naming the first such length, the batch size and the budget.
+  """
+  budget = default_memory_budget() if memory_budget is None else memory_budget
+  for length in lengths:
+    need = attention_score_bytes(config, batch_size, length)
+    if need > budget:
+      raise ValueError(
+          f"evaluation length {length} at batch {batch_size} needs ~{need / 2**30:.1f} GiB of "
+          f"attention scores per layer, over the {budget / 2**30:.1f} GiB budget; lower the "
+          f"batch size or the length")
+
+
 # (config, batch size, length) -> the compiled evaluation step, or its compile under way. One
 # compile per process serves every seed's model of a config (and YaRN zero-shot and fine-tuned,
 # which share theirs).
@@ -250,14 +268,7 @@ def perplexity_by_length(config: ModelConfig, params: Any, token_file: str | os.
 
   from pope_jax.data.text import TokenWindowSource
 
-  budget = default_memory_budget() if memory_budget is None else memory_budget
-  for length in lengths:
-    need = attention_score_bytes(config, batch_size, length)
-    if need > budget:
-      raise ValueError(
-          f"evaluation length {length} at batch {batch_size} needs ~{need / 2**30:.1f} GiB of "
-          f"attention scores per layer, over the {budget / 2**30:.1f} GiB budget; lower the "
-          f"batch size or the length")
+  check_memory(config, batch_size, lengths, memory_budget)
   sources = {n: TokenWindowSource(Path(token_file), n, dtype=dtype) for n in lengths}
   compile_perplexity_by_length(config, params, lengths, batch_size=batch_size)
   programs = {n: _EVAL_PROGRAMS[(config, batch_size, n)].result() for n in lengths}

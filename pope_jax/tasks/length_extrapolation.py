@@ -78,6 +78,11 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+def eval_lengths(preset: Preset, lm_preset: lm.Preset) -> list[int]:
+  """The evaluation context lengths in tokens: the preset's multiples of the training length."""
+  return [m * lm_preset.seq_len for m in preset.multiples]
+
+
 def run(preset: Preset, lm_preset: lm.Preset, out: Path, *, resume: bool, progress: bool,
         seeds: Sequence[int] = (0,), data_dir: Path | None = None,
         splits: dict[str, str] | None = None, eval_batch_size: int | None = None) -> dict:
@@ -101,9 +106,10 @@ def run(preset: Preset, lm_preset: lm.Preset, out: Path, *, resume: bool, progre
   if not seeds or len(set(seeds)) != len(seeds):
     raise ValueError(f"seeds must be distinct and non-empty, got {seeds}")
   length = lm_preset.seq_len
-  lengths = [m * length for m in preset.multiples]
+  lengths = eval_lengths(preset, lm_preset)
   ft_len = int(round(preset.yarn_factor * length))
   batch_size = eval_batch_size or preset.eval_batch_size
+  analysis.check_memory(lm_preset.model, batch_size, lengths)
   common_args = dict(resume=resume, progress=progress, data_dir=data_dir, splits=splits)
   data_dir_used, meta, files = lm.prepare_data(lm_preset, out, data_dir, splits)
   eval_file = data_dir_used / files.get("valid", "valid.bin")

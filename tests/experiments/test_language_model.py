@@ -137,6 +137,15 @@ def test_repeated_seeds_are_a_usage_error(main, tmp_path, capsys):
   assert not (tmp_path / "out").exists()
 
 
+def test_length_extrapolation_refuses_an_evaluation_over_the_memory_budget(tmp_path, capsys):
+  with pytest.raises(SystemExit) as e:
+    length_extrapolation.main(["--preset", "smoke", "--out", str(tmp_path / "out"),
+                               "--eval-batch-size", "100000000"])
+  assert e.value.code == 2
+  assert "--eval-batch-size: evaluation length 32 at batch 100000000" in capsys.readouterr().err
+  assert not (tmp_path / "out").exists()
+
+
 def test_frequency_usage_smoke(lm_out, trainings):
   record = frequency_usage.main(["--preset", "smoke", "--out", str(lm_out), "--no-progress",
                                  "--seeds", "0,1"])
