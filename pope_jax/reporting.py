@@ -68,9 +68,11 @@ def mean_sd(values: Sequence[float]) -> tuple[float, float]:
 
 
 def fmt_mean_sd(values: Sequence[float], spec: str) -> str:
-  """"mean ± sd" of per-seed values in `spec`, or the value alone for one seed."""
+  """"mean ± sd" of per-seed values in `spec` (the sd without a sign), or the value alone for one
+  seed."""
   mean, sd = mean_sd(values)
-  return format(mean, spec) + (f" ± {format(sd, spec)}" if len(values) > 1 else "")
+  return format(mean, spec) + (f" ± {format(sd, spec.replace('+', ''))}" if len(values) > 1
+                               else "")
 
 
 @contextlib.contextmanager

@@ -222,6 +222,7 @@ def _plot(perplexity: dict, lengths: list[int], train_length: int, num_seeds: in
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   import numpy as np
+  from matplotlib import ticker
   fig, ax = plt.subplots(figsize=(6.5, 4))
   colors = ["tab:red", "tab:blue", "tab:green", "tab:orange"]
   for i, (name, by_len) in enumerate(perplexity.items()):
@@ -232,10 +233,14 @@ def _plot(perplexity: dict, lengths: list[int], train_length: int, num_seeds: in
     ax.fill_between(lengths, mean - sd, mean + sd, color=color, alpha=0.2, lw=0)
   ax.axvline(train_length, color="gray", ls=":", lw=1)
   ax.set_yscale("log")
+  plain = ticker.FuncFormatter(lambda v, _: f"{v:g}")
+  ax.yaxis.set_major_formatter(plain)
+  ax.yaxis.set_minor_formatter(plain)
   ax.set_xlabel("evaluation context length (tokens)")
   ax.set_ylabel("validation perplexity")
-  band = f"mean ± sd over {num_seeds} seeds" if num_seeds > 1 else "one seed"
-  ax.set_title(f"Zero-shot length extrapolation (trained at {train_length}; {band})")
+  band = f"mean, band ± sd over {num_seeds} seeds" if num_seeds > 1 else "one seed"
+  ax.set_title(f"Zero-shot length extrapolation (trained at {train_length})\n{band}",
+               fontsize=10)
   ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
