@@ -119,12 +119,19 @@ def test_length_extrapolation_over_seeds(lm_out, trainings, capsys):
   assert (lm_out / "extrapolation.png").stat().st_size > 1000
 
 
-def test_length_extrapolation_rerun_reuses_every_model(lm_out, trainings):
-  first = json.loads((lm_out / "extrapolation.json").read_text())
-  again = length_extrapolation.main(["--preset", "smoke", "--out", str(lm_out), "--no-progress",
-                                     "--seeds", "0,1"])
+def test_length_extrapolation_rerun_reuses_every_model(lm_out, tmp_path, trainings):
+  # A copy of the shared folder, so that this test runs alone (any order, any pytest-xdist
+  # worker) and leaves test_length_extrapolation_over_seeds its first run on lm_out.
+  out = shutil.copytree(lm_out, tmp_path / "lm")
+  flags = ["--preset", "smoke", "--out", str(out), "--no-progress", "--seeds", "0,1"]
+  first = length_extrapolation.main(flags)
+  for name in ("rope_yarn_finetune", "rope_yarn_finetune_seed1"):
+    assert (out / name / "result.json").exists()
+  trainings.clear()
+  again = length_extrapolation.main(flags)
   assert trainings == []
   assert again["perplexity"] == first["perplexity"]
+  assert json.loads((out / "extrapolation.json").read_text())["perplexity"] == first["perplexity"]
 
 
 @pytest.mark.parametrize("main", [language_model.main, length_extrapolation.main,
