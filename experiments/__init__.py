@@ -4,7 +4,9 @@ library (`pope_jax`, `lpes_jax`, `pallas_kernels`) and writes its results; none 
 
 One convention (`experiments.common`):
 - `--seed INT` where a command runs one seed (per model); `--seeds 0,1,2` (comma-separated ints)
-  where it trains several seeds side by side in one program (`indirect_indexing`).
+  where it trains several seeds side by side in one program (`indirect_indexing`, `jsb`) or one
+  after another, one run folder per model and seed (`language_model`, `length_extrapolation`,
+  `frequency_usage`).
 - Every flag is checked before any work starts (no model loads, no step runs): a bad value is a
   usage error (exit status 2) that names the flag.
 - `--out` is the run folder, locked while the run writes it (`pope_jax.run_lock`): a second run

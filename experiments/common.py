@@ -227,6 +227,23 @@ def add_lm_flags(parser: argparse.ArgumentParser, default_out: str) -> None:
   add_init_std_flag(parser)
 
 
+def add_seeds_flag(parser: argparse.ArgumentParser) -> None:
+  """--seeds of the language-model CLIs: one model per encoding and seed, trained in turn."""
+  parser.add_argument("--seeds", type=comma_list(nonnegative_int, "non-negative integers"),
+                      help="comma-separated distinct seeds, one model per encoding and seed, "
+                           "trained in turn: seed 0 in OUT/<encoding>, seed N in "
+                           "OUT/<encoding>_seedN (default: --seed)")
+
+
+def seeds_list(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[int]:
+  """The seeds of --seeds (or [--seed]); repeated seeds are a usage error."""
+  if args.seeds is None:
+    return [args.seed]
+  if len(set(args.seeds)) != len(args.seeds):
+    parser.error(f"--seeds: expected distinct seeds, got {','.join(map(str, args.seeds))}")
+  return list(args.seeds)
+
+
 def lm_presets_help(presets: Mapping) -> dict[str, str]:
   """{name: one-line description} of presets that have a `description`."""
   return {name: p.description for name, p in sorted(presets.items())}

@@ -7,7 +7,8 @@
 
 Uses the RoPE and PoPE models of `experiments.language_model` in the same --out (trained first if
 missing) and held-out windows of the validation split (`pope_jax.tasks.frequency_usage`).
-`--seeds 0,1,2` measures one model per seed (seeds after the first in OUT/<encoding>_seed<N>/).
+`--seeds 0,1,2` measures one model per encoding and seed (seed 0 in OUT/<encoding>/, seed N in
+OUT/<encoding>_seed<N>/, the folders of `experiments.language_model --seeds`).
 Outputs: OUT/frequency_usage.json, OUT/frequency_usage.md (share of magnitude in the high-frequency
 half per layer, mean ± sd over seeds, and whether the paper's contrast appears),
 OUT/frequency_usage.png (heatmaps, RoPE beside PoPE, queries and keys), OUT/frequency_share.png.
@@ -26,14 +27,9 @@ def main(argv: list[str] | None = None) -> dict:
   common.add_lm_flags(parser, "runs/language_model")
   parser.add_argument("--max-windows", type=common.positive_int,
                       help="validation windows to average over (default: the preset's)")
-  parser.add_argument("--seeds", type=common.comma_list(common.nonnegative_int,
-                                                        "non-negative integers"),
-                      help="comma-separated seeds per encoding, each trained in turn "
-                           "(default: --seed)")
+  common.add_seeds_flag(parser)
   args = parser.parse_args(argv)
-  seeds = [args.seed] if args.seeds is None else list(args.seeds)
-  if len(set(seeds)) != len(seeds):
-    parser.error(f"--seeds: expected distinct seeds, got {args.seeds!r}")
+  seeds = common.seeds_list(parser, args)
   try:
     preset = common.resolve_lm_preset(args)
   except ValueError as e:  # A config that refuses a flag's value: a usage error.

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -180,6 +181,60 @@ def default_memory_budget() -> int:
   return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
+def check_memory(config: ModelConfig, batch_size: int, lengths: Sequence[int],
+                 memory_budget: int | None = None) -> None:
+  """Refuses evaluation lengths whose attention scores (`attention_score_bytes`) exceed the
+  memory budget (default `default_memory_budget()`).
+
+  Raises:
+    ValueError: naming the first such length, the batch size and the budget.
+  """
+  budget = default_memory_budget() if memory_budget is None else memory_budget
+  for length in lengths:
+    need = attention_score_bytes(config, batch_size, length)
+    if need > budget:
+      raise ValueError(
+          f"evaluation length {length} at batch {batch_size} needs ~{need / 2**30:.1f} GiB of "
+          f"attention scores per layer, over the {budget / 2**30:.1f} GiB budget; lower the "
+          f"batch size or the length")
+
+
+# (config, batch size, length) -> the compiled evaluation step, or its compile under way. One
+# compile per process serves every seed's model of a config (and YaRN zero-shot and fine-tuned,
+# which share theirs).
+_EVAL_PROGRAMS: dict[tuple[ModelConfig, int, int], Future] = {}
+_COMPILER: list[ThreadPoolExecutor] = []
+
+
+def compile_perplexity_by_length(config: ModelConfig, params: Any, lengths: Sequence[int], *,
+                                 batch_size: int = 1) -> None:
+  """Starts compiling the programs `perplexity_by_length` needs for this model and returns at
+  once: they compile in background threads (XLA compiles outside the GIL), concurrently with one
+  another and with whatever runs next (e.g. training). Programs compiled or started before are
+  not compiled again.
+
+  Args:
+    config, params: the model; params give the argument shapes (any seed of the config).
+    lengths: evaluation context lengths.
+    batch_size: windows per forward pass.
+  """
+  todo = [n for n in dict.fromkeys(lengths) if (config, batch_size, n) not in _EVAL_PROGRAMS]
+  if not todo:
+    return
+  from pope_jax.train import weighted_metrics
+  model = Transformer(config)
+  step = jax.jit(lambda p, b: weighted_metrics(model.apply({"params": p}, b["inputs"]), b))
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+  if not _COMPILER:
+    _COMPILER.append(ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
+                                        thread_name_prefix="compile"))
+  for n in todo:     # Tracing holds the GIL: here, in turn; compiling: in the pool.
+    tokens = jax.ShapeDtypeStruct((batch_size, n), jnp.int32)
+    lowered = step.lower(abstract, {"inputs": tokens, "targets": tokens,
+                                    "weights": jax.ShapeDtypeStruct((batch_size, n), jnp.float32)})
+    _EVAL_PROGRAMS[(config, batch_size, n)] = _COMPILER[0].submit(lowered.compile)
+
+
 def perplexity_by_length(config: ModelConfig, params: Any, token_file: str | os.PathLike,
                          lengths: Sequence[int], *, batch_size: int = 1,
                          max_tokens: int | None = None, dtype: str = "uint16",
@@ -199,6 +254,9 @@ def perplexity_by_length(config: ModelConfig, params: Any, token_file: str | os.
     memory_budget: bytes the attention scores may take (default `default_memory_budget()`).
     progress: tqdm bar over lengths.
 
+  One program per (config, batch size, length) is compiled per process
+  (`compile_perplexity_by_length`, the lengths concurrently) and reused by later calls.
+
   Returns:
     {length: {"loss": mean NLL per token, "perplexity": exp(loss), "accuracy", "windows"}}.
 
@@ -209,21 +267,15 @@ def perplexity_by_length(config: ModelConfig, params: Any, token_file: str | os.
   from tqdm.auto import tqdm
 
   from pope_jax.data.text import TokenWindowSource
-  from pope_jax.train import weighted_metrics
 
-  budget = default_memory_budget() if memory_budget is None else memory_budget
-  for length in lengths:
-    need = attention_score_bytes(config, batch_size, length)
-    if need > budget:
-      raise ValueError(
-          f"evaluation length {length} at batch {batch_size} needs ~{need / 2**30:.1f} GiB of "
-          f"attention scores per layer, over the {budget / 2**30:.1f} GiB budget; lower the "
-          f"batch size or the length")
-  model = Transformer(config)
-  eval_step = jax.jit(lambda p, b: weighted_metrics(model.apply({"params": p}, b["inputs"]), b))
+  check_memory(config, batch_size, lengths, memory_budget)
+  sources = {n: TokenWindowSource(Path(token_file), n, dtype=dtype) for n in lengths}
+  compile_perplexity_by_length(config, params, lengths, batch_size=batch_size)
+  programs = {n: _EVAL_PROGRAMS[(config, batch_size, n)].result() for n in lengths}
+  params = jax.device_put(params)             # Once, not once per batch.
   out = {}
   for length in tqdm(list(lengths), desc="lengths", disable=not progress):
-    source = TokenWindowSource(Path(token_file), length, dtype=dtype)
+    source = sources[length]
     windows = len(source) if max_tokens is None else min(len(source),
                                                          max(1, max_tokens // length))
     total = {"nll_sum": 0.0, "correct_sum": 0.0, "weight_sum": 0.0}
@@ -231,7 +283,7 @@ def perplexity_by_length(config: ModelConfig, params: Any, token_file: str | os.
       recs = [source[i] for i in range(start, min(start + batch_size, windows))]
       recs += [{k: np.zeros_like(v) for k, v in recs[0].items()}] * (batch_size - len(recs))
       batch = {k: np.stack([r[k] for r in recs]) for k in recs[0]}
-      m = jax.device_get(eval_step(params, batch))
+      m = jax.device_get(programs[length](params, batch))
       total = {k: total[k] + float(m[k]) for k in total}
     loss = total["nll_sum"] / total["weight_sum"]
     out[int(length)] = {"loss": loss, "perplexity": math.exp(loss),

@@ -7,10 +7,13 @@ a PNG. Process 0 alone writes (multi-host).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import math
 import platform
+import statistics
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -51,6 +54,37 @@ def to_jsonable(obj: Any) -> Any:
 def fmt(value: float | None, spec: str) -> str:
   """`format(value, spec)`, or "n/a" for a value that was not measured (None or NaN)."""
   return "n/a" if value is None or not math.isfinite(value) else format(value, spec)
+
+
+def mean_sd(values: Sequence[float]) -> tuple[float, float]:
+  """(mean, sample standard deviation (n - 1)) of per-seed values; the sd is 0 for one value.
+
+  Raises:
+    ValueError: no values.
+  """
+  if not values:
+    raise ValueError("mean_sd needs at least one value")
+  return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def fmt_mean_sd(values: Sequence[float], spec: str) -> str:
+  """"mean ± sd" of per-seed values in `spec` (the sd without a sign), or the value alone for one
+  seed."""
+  mean, sd = mean_sd(values)
+  return format(mean, spec) + (f" ± {format(sd, spec.replace('+', ''))}" if len(values) > 1
+                               else "")
+
+
+@contextlib.contextmanager
+def timed(stage: str, timings: dict[str, float] | None = None):
+  """Prints the wall-clock seconds a block took ("[  12.3 s] stage") and records them in
+  `timings[stage]` when given."""
+  start = time.perf_counter()
+  yield
+  seconds = time.perf_counter() - start
+  if timings is not None:
+    timings[stage] = seconds
+  print(f"[{seconds:7.1f} s] {stage}", flush=True)
 
 
 def write_json(path: str | Path, obj: Any) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -224,6 +225,22 @@ def make_eval_step(model: Transformer):
   def eval_step(params, batch):
     return weighted_metrics(model.apply({"params": params}, batch["inputs"]), batch)
   return jax.vmap(eval_step, in_axes=(0, None))
+
+
+@functools.lru_cache(maxsize=4)   # Seeds trained one after another reuse one compile.
+def _step_functions(model_config: ModelConfig, cfg: TrainConfig, mesh: Mesh, members: int,
+                    seq_len: int):
+  """(state shardings, jitted train step, jitted eval step) of M = `members` models.
+
+  `cfg` comes with its seed and data_workers reset (neither enters the step), so every seed of a
+  configuration shares these functions and their compiled programs within a process.
+  """
+  model = Transformer(model_config)
+  abstract = jax.eval_shape(lambda: init_state(model, cfg, tuple(range(members)), seq_len))
+  shardings = state_shardings(abstract, mesh, cfg.fsdp)
+  train_step = jax.jit(make_train_step(model, cfg), donate_argnums=0,
+                       out_shardings=(shardings, NamedSharding(mesh, P())))
+  return shardings, train_step, jax.jit(make_eval_step(model))
 
 
 def _train_batches(source, cfg: TrainConfig, seed: int, start_call: int):
@@ -503,7 +520,6 @@ def _train_and_evaluate(model_config, cfg, train_source, eval_sources, workdir, 
     raise ValueError(f"TrainConfig.batch_size={cfg.batch_size} is not divisible by the "
                      f"{len(devices)} devices")
   mesh = Mesh(np.array(devices), ("data",))
-  replicated = NamedSharding(mesh, P())
   seq_len = train_source[0]["inputs"].shape[0]
   model = Transformer(model_config)
 
@@ -511,8 +527,9 @@ def _train_and_evaluate(model_config, cfg, train_source, eval_sources, workdir, 
       "model": dataclasses.asdict(model_config), "train": dataclasses.asdict(cfg),
       "seeds": list(seeds), "train_source": f"{type(train_source).__name__}[{len(train_source)}]"},
       resume=resume)
+  shardings, train_step, eval_step = _step_functions(
+      model_config, dataclasses.replace(cfg, seed=0, data_workers=0), mesh, len(seeds), seq_len)
   init = lambda p: init_state(model, cfg, seeds, seq_len, p)
-  shardings = state_shardings(jax.eval_shape(init, init_params), mesh, cfg.fsdp)
   state = jax.jit(init, out_shardings=shardings)(init_params)
   if resume:
     state = restore_state(manager, state)
@@ -524,9 +541,6 @@ def _train_and_evaluate(model_config, cfg, train_source, eval_sources, workdir, 
   def shard(batch, spec=P("data")):
     return jax.device_put(batch, NamedSharding(mesh, spec))
 
-  train_step = jax.jit(make_train_step(model, cfg), donate_argnums=0,
-                       out_shardings=(shardings, replicated))
-  eval_step = jax.jit(make_eval_step(model))
   streams = [_train_batches(train_source, cfg, s, start // cfg.steps_per_call) for s in seeds]
   seeds_array = jnp.asarray(seeds, jnp.uint32)
   history = _read_history(workdir / "metrics.jsonl", up_to=start)

@@ -150,12 +150,6 @@ def plot_usage(summary: dict, heatmaps: Path, shares: Path) -> None:
   plt.close(fig)
 
 
-def run_name(encoding: str, seed: int, first_seed: int) -> str:
-  """The language-model run folder of one seed: OUT/<encoding> for the preset's seed, else
-  OUT/<encoding>_seed<seed>."""
-  return encoding if seed == first_seed else f"{encoding}_seed{seed}"
-
-
 def run(lm_preset: lm.Preset, out: Path, *, preset_name: str, max_windows: int, resume: bool,
         progress: bool, data_dir: Path | None = None, splits: dict[str, str] | None = None,
         seeds: Sequence[int] | None = None) -> dict:
@@ -164,7 +158,8 @@ def run(lm_preset: lm.Preset, out: Path, *, preset_name: str, max_windows: int, 
   OUT/frequency_usage.png (heatmaps), OUT/frequency_share.png (per-layer shares).
 
   Args:
-    seeds: seeds per encoding (default: the preset's one seed), see `run_name`.
+    seeds: seeds per encoding (default: the preset's one seed), each its own run folder
+      (`language_model.run_name`), shared with the other language-model commands.
 
   Returns:
     The record: {"summary": `summarize_usage`, "usage": {encoding: [per seed {"query": [L][F],
@@ -179,11 +174,11 @@ def run(lm_preset: lm.Preset, out: Path, *, preset_name: str, max_windows: int, 
   for enc in ("rope", "pope"):
     usage[enc] = []
     for seed in seeds:
-      _, params, cfg = lm.train_model(
-          lm_preset, enc, out, resume=resume, progress=progress, data_dir=data_dir,
-          splits=splits, name=run_name(enc, seed, lm_preset.train.seed),
-          train_cfg=dataclasses.replace(lm_preset.train, seed=seed))
-      usage[enc].append(analysis.frequency_usage(cfg, params, batches()))
+      with reporting.timed(f"seed {seed}: {enc} trained or reloaded, usage measured"):
+        _, params, cfg = lm.train_model(
+            lm_preset, enc, out, resume=resume, progress=progress, data_dir=data_dir,
+            splits=splits, train_cfg=dataclasses.replace(lm_preset.train, seed=seed))
+        usage[enc].append(analysis.frequency_usage(cfg, params, batches()))
       configs[enc] = cfg
   summary = summarize_usage(usage)
   about = reporting.what_ran(

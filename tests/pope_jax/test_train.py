@@ -103,6 +103,25 @@ def test_seeds_trained_together_equal_seeds_trained_alone(tmp_path):
   assert together[0].seed == 0 and together[1].seed == 5
 
 
+def test_seeds_trained_in_turn_share_one_compile(tmp_path, monkeypatch):
+  """A second seed of the same config reuses the jitted step (no new trace or compile) and trains
+  exactly as a freshly compiled one."""
+  train_lib._step_functions.cache_clear()
+  calls = []
+  make = train_lib.make_train_step
+  monkeypatch.setattr(train_lib, "make_train_step", lambda *a: calls.append(a) or make(*a))
+  (first,) = _run(tmp_path / "first", train=SHORT)
+  (second,) = _run(tmp_path / "second", train=dataclasses.replace(SHORT, seed=3))
+  assert len(calls) == 1
+  train_lib._step_functions.cache_clear()
+  (fresh,) = _run(tmp_path / "fresh", train=dataclasses.replace(SHORT, seed=3))
+  assert len(calls) == 2
+  for a, b in zip(_leaves(second.params), _leaves(fresh.params)):
+    np.testing.assert_array_equal(a, b)
+  assert second.metrics == fresh.metrics
+  assert not np.array_equal(_leaves(first.params)[0], _leaves(second.params)[0])
+
+
 def test_resume_without_checkpoint_names_the_folder(tmp_path):
   with pytest.raises(FileNotFoundError, match=str(tmp_path)):
     _run(tmp_path, resume=True)
