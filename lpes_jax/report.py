@@ -62,6 +62,16 @@ def eval_results_md(record: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _genome_line(space: dict) -> str:
+  """The genome kind of a search (`lpes_jax.genomes`), in words."""
+  if space["kind"] == "bezier":
+    return f"{len(space['grid'])}-value grid, {space['num_control_points']} Bézier control points"
+  if space["kind"] == "free":
+    return f"{len(space['grid'])}-value grid, one free scale per layer"
+  return (f"one global scale from {len(space['grid'])} values in [{space['grid'][0]}, "
+          f"{space['grid'][-1]}]")
+
+
 def search_results_md(record: dict) -> str:
   """Markdown for one search results.json (`experiments.lpes_search`)."""
   a, s = record["args"], record["search"]
@@ -76,8 +86,8 @@ def search_results_md(record: dict) -> str:
       f"`{a['answer_prefix']}<answer>`), weights {tuple(round(w, 3) for w in s['weights'])}.",
       f"- Budget: population {s['population_size']}, {s['num_generations']} generations "
       f"({s['num_parents']} parents, {s['num_mutations']} mutations, {s['num_crossovers']} "
-      f"crossovers), {len(record['bezier']['grid'])}-value grid, "
-      f"{record['bezier']['num_control_points']} control points; GA seed {s['seed']}.",
+      f"crossovers), {_genome_line(record['genome_space'])}; GA seed {s['seed']}; "
+      f"{record['num_candidates']} distinct candidates evaluated.",
       "- Chance level: the fitness is an exact match, so about 0 for guessing; the identity "
       "curve (generation 0, all s = 1) is the base model's fitness.",
       f"- {PAPER}",
