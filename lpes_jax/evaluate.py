@@ -219,11 +219,12 @@ def multipliers_generator(config: LlamaConfig, params: Any):
   return lambda mults, t, m, n: fn(jnp.asarray(mults, jnp.float32), t, m, n)
 
 
-def evaluate_multipliers(config: LlamaConfig, params: Any, tok, task: TaskConfig,
-                         ev: EvalConfig, multipliers, *,
-                         log: Callable[[str], None] = print) -> dict[str, np.ndarray]:
+def evaluate_multipliers(gen, tok, config: LlamaConfig, task: TaskConfig, ev: EvalConfig,
+                         multipliers, *, log: Callable[[str], None] = print
+                         ) -> dict[str, np.ndarray]:
   """Per-example LitM scores of M fixed per-layer multiplier sets (LPES scales, PI, base = 1),
-  all decoded together: each batch is one `multipliers_generator` call (`ev.method` is unused).
+  all decoded together: each batch is one call of `gen` (`multipliers_generator`); `ev.method`
+  is unused.
 
   Args:
     multipliers: [M, L] float frequency multipliers 1/s.
@@ -237,7 +238,6 @@ def evaluate_multipliers(config: LlamaConfig, params: Any, tok, task: TaskConfig
   mults = np.asarray(multipliers, np.float32)
   if mults.ndim != 2 or mults.shape[1] != config.num_layers:
     raise ValueError(f"multipliers must have shape [M, {config.num_layers}], got {mults.shape}")
-  gen = multipliers_generator(config, params)
   positions = list(ev.positions) if ev.positions else position_indices(num_items(task), 5)
   out = {}
   for gold in positions:
