@@ -31,6 +31,8 @@ LPES (`lpes_jax`):
   lpes_search          — Bézier-constrained genetic search of per-layer RoPE scales.
   lpes_eval            — lost-in-the-middle accuracy per gold position (base, PI, Ms-PoE,
                          Attention Buckets, LPES).
+  lpes_ablations       — Bézier / linear / free / global searches over seeds under one budget,
+                         held out with base and Ms-PoE at two difficulties, 95 % intervals.
   lpes_latency         — generation latency of those methods on one model.
   bench_llama          — Llama prefill and decode throughput beside PyTorch + transformers.
   lpes_h200.sh         — (bash script) the LPES search, evaluation and latency run on one H200.
