@@ -50,7 +50,7 @@ SMOKE_MODEL = dict(vocab_size=258, hidden_size=32, intermediate_size=64, num_lay
                    num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=1024,
                    bos_token_id=256, eos_token_ids=(257,))
 CONFIG_FILE = "config.json"
-_NOT_RESULTS = ("out", "resume")    # Flags that a resume may change.
+_NOT_RESULTS = ("out", "resume", "no_progress")    # Flags that a resume may change.
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--out", default="runs/lpes_ablations", help="run folder")
   p.add_argument("--resume", action="store_true",
                  help="continue the run in --out, skipping its finished stages")
+  p.add_argument("--no-progress", action="store_true", help="hide the search progress bars")
   return p
 
 
@@ -198,7 +199,8 @@ def run_and_report(args: argparse.Namespace, cfg: ablation.AblationConfig, comma
   log = lambda line: print(line, flush=True)
   config, params, tok = load_model(args)
   log(f"[{time.perf_counter() - t0:7.1f} s] model loaded ({config.num_layers} layers)")
-  record = ablation.run_ablation(cfg, config, params, tok, args.out, resume=args.resume, log=log)
+  record = ablation.run_ablation(cfg, config, params, tok, args.out, resume=args.resume, log=log,
+                                 progress=not args.no_progress)
   record.update({
       "args": {k: v for k, v in vars(args).items()},
       "model": args.model or "random weights (smoke)",

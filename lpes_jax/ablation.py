@@ -150,7 +150,7 @@ def _timed(log, what):
 
 
 def run_searches(cfg: AblationConfig, config, params, tok, workdir: str, *, resume: bool,
-                 log=print) -> dict:
+                 log=print, progress: bool = False) -> dict:
   """Every (method, search seed) search; returns {method: {seed: results.json record}}."""
   pad_id = config.pad_token_id or 0
   todo = [(m, s) for m in cfg.methods for s in cfg.search_seeds
@@ -187,7 +187,7 @@ def run_searches(cfg: AblationConfig, config, params, tok, workdir: str, *, resu
         space = cfg.space(method, config.num_layers)
         scfg = dataclasses.replace(cfg.search, seed=s)
         search.run_search(fns[s], space, scfg, _search_dir(workdir, method, s), resume=resume,
-                          progress=False, lock=False,
+                          progress=progress, lock=False,
                           fitness_id={"ablation": cfg.to_json(), "seed": s},
                           extra={"method": method, "search_seed": s,
                                  "search_examples": cfg.search_examples})
@@ -319,11 +319,12 @@ def budgets(cfg: AblationConfig, searches: dict) -> dict:
 
 
 def run_ablation(cfg: AblationConfig, config, params, tok, workdir: str, *, resume: bool,
-                 log=print) -> dict:
+                 log=print, progress: bool = False) -> dict:
   """Searches, evaluations and the summary (see the module docstring); returns the record that
   the caller writes out with `summarise`'s numbers, budgets, scales and per-example scores."""
   t0 = time.perf_counter()
-  searches = run_searches(cfg, config, params, tok, workdir, resume=resume, log=log)
+  searches = run_searches(cfg, config, params, tok, workdir, resume=resume, log=log,
+                          progress=progress)
   t1 = time.perf_counter()
   scores = run_evaluations(cfg, config, params, tok, workdir, searches, log=log)
   t2 = time.perf_counter()
