@@ -23,13 +23,13 @@ import dataclasses
 import json
 import os
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
 from lpes_jax import bezier, evaluate, fitness, genomes, intervals, search
 from lpes_jax.tasks import position_indices
-from lpes_jax.tasks.task import TaskConfig, num_items
+from lpes_jax.tasks.task import TaskConfig, encode_prompt, task_examples
 from pope_jax import atomic
 
 # Searched method → (genome kind, control points).
@@ -218,6 +218,19 @@ def unbits(s: str) -> np.ndarray:
   return np.frombuffer(s.encode(), np.uint8).astype(np.float64) - ord("0")
 
 
+def held_out_length(cfg: AblationConfig, tok) -> int:
+  """The longest held-out prompt over every difficulty, seed and gold position, rounded up to
+  32 tokens."""
+  longest = 0
+  for pairs in cfg.difficulties:
+    task = dataclasses.replace(cfg.task, num_pairs=pairs)
+    for h in cfg.heldout_seeds:
+      for gold in position_indices(pairs, 5):
+        for e in task_examples(task, gold, cfg.num_examples, h):
+          longest = max(longest, len(encode_prompt(tok, e.prompt, task.chat)))
+  return -(-longest // 32) * 32
+
+
 def run_evaluations(cfg: AblationConfig, config, params, tok, workdir: str, searches: dict, *,
                     log=print) -> dict:
   """Held-out per-example scores: {pairs: {heldout: {label: {gold: bits}}}}, label
@@ -225,13 +238,15 @@ def run_evaluations(cfg: AblationConfig, config, params, tok, workdir: str, sear
   labels = [f"{m}/seed{s}" for m in cfg.methods for s in cfg.search_seeds]
   mults = np.stack([bezier.scales_to_multipliers(searches[m][s]["scales"])
                     for m in cfg.methods for s in cfg.search_seeds])
-  gens = {}   # One jitted generator per group, shared by every difficulty and held-out seed.
+  gens = {}   # One jitted generator per group, shared by every difficulty and held-out seed,
+  length = held_out_length(cfg, tok)   # and one prompt length: one compiled program per group.
   out = {}
   for pairs in cfg.difficulties:
     task = dataclasses.replace(cfg.task, num_pairs=pairs)
     for h in cfg.heldout_seeds:
       ev = evaluate.EvalConfig(method="base", num_examples=cfg.num_examples, seed=h,
-                               batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens)
+                               batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
+                               prompt_len=length)
       got = out.setdefault(str(pairs), {}).setdefault(str(h), {})
       for group in ("searched",) + cfg.baselines:
         path = _eval_path(workdir, pairs, h, group)

@@ -75,6 +75,8 @@ class EvalConfig:
     pi_scale: PI's global scale s.
     ms_poe_official: Ms-PoE indexes its ratio table with the argsort (released code).
     buckets_absolute: Attention Buckets uses the RAG bases as is.
+    prompt_len: pad every prompt to this many tokens (one compiled shape for several positions
+      and tasks); default: the longest prompt of each position rounded up to 32.
   """
   method: str = "base"
   scales: str | None = None
@@ -86,6 +88,7 @@ class EvalConfig:
   pi_scale: float = 1.5
   ms_poe_official: bool = False
   buckets_absolute: bool = False
+  prompt_len: int | None = None
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -139,11 +142,12 @@ def held_out_batches(tok, config: LlamaConfig, task: TaskConfig, gold: int, ev: 
 
   Yields:
     (examples (at most ev.batch_size), tokens [ev.batch_size, T] int32 left-padded, mask [.., T]
-    bool); T is the longest prompt rounded up to 32 (one compiled shape per position), the last
-    batch filled with copies of its first row (not scored).
+    bool); T is ev.prompt_len or the longest prompt rounded up to 32 (one compiled shape per
+    position), the last batch filled with copies of its first row (not scored).
 
   Raises:
-    ValueError: a prompt plus ev.max_new_tokens longer than the model's context.
+    ValueError: a prompt plus ev.max_new_tokens longer than the model's context, or longer than
+      ev.prompt_len.
   """
   exs = task_examples(task, gold, ev.num_examples, ev.seed)
   ids = [encode_prompt(tok, e.prompt, task.chat) for e in exs]
@@ -151,7 +155,10 @@ def held_out_batches(tok, config: LlamaConfig, task: TaskConfig, gold: int, ev: 
   if longest + ev.max_new_tokens > config.max_position_embeddings:
     raise ValueError(f"prompt of {longest} tokens + {ev.max_new_tokens} new tokens exceeds the "
                      f"model's context of {config.max_position_embeddings}: use fewer pairs")
-  length = -(-longest // 32) * 32
+  length = -(-longest // 32) * 32 if ev.prompt_len is None else ev.prompt_len
+  if length < longest:
+    raise ValueError(f"EvalConfig.prompt_len {length} is shorter than a prompt of {longest} "
+                     f"tokens")
   for b in range(0, len(ids), ev.batch_size):
     chunk = ids[b:b + ev.batch_size]
     chunk = chunk + [chunk[0]] * (ev.batch_size - len(chunk))
