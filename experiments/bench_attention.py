@@ -181,6 +181,11 @@ def _measure(name, fn, args, flops, iters, contexts=(None, None)):
       row["fwd_bwd_ms"] = _time_ms(_fwd_bwd(fn), *args, iters=iters)
     row["fwd_tflops"] = flops / row["fwd_ms"] * 1e-9
     row["fwd_bwd_tflops"] = 2.5 * flops / row["fwd_bwd_ms"] * 1e-9
+    # The backward alone: fwd+bwd minus fwd, counted as 2.5x the forward's FLOPs (FA3's
+    # convention), and its share of the measured peak.
+    row["bwd_ms"] = row["fwd_bwd_ms"] - row["fwd_ms"]
+    row["bwd_tflops"] = 2.5 * flops / row["bwd_ms"] * 1e-9
+    row["bwd_peak_share"] = row["bwd_tflops"] / PEAK_TFLOPS
   except Exception as e:  # A failing row is reported in the table, never hidden.
     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     traceback.print_exc()
@@ -236,7 +241,8 @@ def bench_head_dim(shape_name: str, iters: int, with_tokamax: bool, dtype=jnp.bf
         f"(fwd+bwd 2.5x) | peak {PEAK_TFLOPS} TFLOP/s")
   ratios = f"{'/best':>6s} {'/tk':>6s} {'/tk at':>6s}"
   print(f"{'implementation':28s} {'fwd ms':>8s} {'TFLOP/s':>8s} {ratios} "
-        f"{'fwd+bwd ms':>10s} {'TFLOP/s':>8s} {ratios}")
+        f"{'fwd+bwd ms':>10s} {'TFLOP/s':>8s} {ratios} {'bwd ms':>7s} {'TFLOP/s':>8s} "
+        f"{'%peak':>6s}")
   for r in rows:
     if "error" in r:
       print(f"{r['name']:28s} FAILED {r['error']}")
@@ -251,6 +257,7 @@ def bench_head_dim(shape_name: str, iters: int, with_tokamax: bool, dtype=jnp.bf
       line += (f" {r[key]:{width}.3f} {r[prefix + '_tflops']:8.1f} {r[prefix + '_ratio']:6.2f} "
                + " ".join(_ratio(r[key], None if ref is None else ref[key])
                           for ref in refs.values()))
+    line += f" {r['bwd_ms']:7.3f} {r['bwd_tflops']:8.1f} {100 * r['bwd_peak_share']:6.1f}"
     print(line)
   return {"shape": dataclasses.asdict(shape), "flops_fwd": flops, "rows": rows, "best": best}
 

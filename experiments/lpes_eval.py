@@ -1,7 +1,8 @@
 """Lost-in-the-middle evaluation of a Llama-family model: accuracy per gold position.
 
     python -m experiments.lpes_eval --model PATH --task kv|mdqa \\
-        --method base|pi|ms_poe|buckets|lpes [--scales results.json] [--num-examples 500]
+        --method base|pi|ms_poe|buckets|lpes|moice [--scales results.json] \\
+        [--moice-routers DIR] [--num-examples 500]
 
 Held-out KV examples come from `--seed` (default 1; the search uses seed 0); MDQA examples from
 `--mdqa-file` with the gold document moved to each position. Greedy decoding (KV cache); KV is
@@ -21,7 +22,7 @@ import platform
 import jax
 
 from experiments import common
-from lpes_jax import evaluate, report, search
+from lpes_jax import evaluate, moice, report, search
 from lpes_jax.checkpoints import load_checkpoint
 from lpes_jax.tasks.task import add_task_flags, task_config
 from lpes_jax.tokenizer import load_tokenizer
@@ -32,10 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
   p = common.make_parser("lpes_eval", __doc__)
   add_task_flags(p)
   p.add_argument("--method", choices=evaluate.METHODS, default="base",
-                 help="base model, position interpolation, Ms-PoE, Attention Buckets or LPES "
-                      "(needs --scales)")
+                 help="base model, position interpolation, Ms-PoE, Attention Buckets, LPES "
+                      "(needs --scales) or MoICE (needs --moice-routers)")
   p.add_argument("--scales", default=None,
                  help="results.json of an LPES search (default: none; --method lpes needs it)")
+  p.add_argument("--moice-routers", default=None,
+                 help="folder of trained MoICE routers, the --out of experiments.moice_train "
+                      "(default: none; --method moice needs it)")
   p.add_argument("--num-examples", type=common.positive_int, default=500,
                  help="held-out examples per position")
   p.add_argument("--positions", type=common.comma_list(common.nonnegative_int,
@@ -68,6 +72,13 @@ def main(argv=None) -> None:
       search.load_scales(args.scales)
     except (OSError, ValueError) as e:
       p.error(f"--scales: {e}")
+  if args.method == "moice":
+    if not args.moice_routers:
+      p.error("--method moice needs --moice-routers DIR (the --out of experiments.moice_train)")
+    try:  # A missing or foreign folder fails here, before the slow model load.
+      moice.load_moice_config(args.moice_routers)
+    except (OSError, ValueError) as e:
+      p.error(f"--moice-routers: {e}")
   if args.task == "kv" and args.positions and max(args.positions) >= args.num_pairs:
     p.error(f"--positions {','.join(map(str, args.positions))}: gold positions must be below "
             f"--num-pairs {args.num_pairs}")
@@ -76,9 +87,13 @@ def main(argv=None) -> None:
       method=args.method, scales=args.scales, num_examples=args.num_examples,
       positions=tuple(args.positions) if args.positions else None, seed=args.seed,
       batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, pi_scale=args.pi_scale,
-      ms_poe_official=args.ms_poe_official, buckets_absolute=args.buckets_absolute)
+      ms_poe_official=args.ms_poe_official, buckets_absolute=args.buckets_absolute,
+      moice_routers=args.moice_routers)
   with common.locked(p, args.out):
-    evaluate_and_report(args, task, ev)
+    try:
+      evaluate_and_report(args, task, ev)
+    except moice.RoutersMismatch as e:
+      p.error(f"--moice-routers: {e}")
 
 
 def evaluate_and_report(args: argparse.Namespace, task, ev: evaluate.EvalConfig) -> None:

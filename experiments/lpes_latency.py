@@ -1,4 +1,4 @@
-"""Generation latency of base vs LPES vs PI vs Ms-PoE vs Attention Buckets on one Llama model.
+"""Generation latency of base, LPES, PI, Ms-PoE, Attention Buckets and MoICE on one Llama model.
 
     python -m experiments.lpes_latency --preset llama-7b-shape [--model PATH] \\
         [--methods base,lpes,ms_poe]
@@ -6,7 +6,9 @@
 A random-weight model of a named shape (or a real checkpoint with --model) greedily generates
 `--new-tokens` tokens after a `--prompt-len` prompt for `--batch` rows. Each method is compiled
 once, then timed `--repeats` times (median reported); LPES uses an arbitrary per-layer scale curve,
-which costs exactly what any curve costs. Writes `<out>/latency.json` and `<out>/latency.png`.
+which costs exactly what any curve costs; MoICE uses random routers with the released experts
+(E = 7, top-7), which cost what trained ones do. Writes `<out>/latency.json` and
+`<out>/latency.png`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import common
-from lpes_jax import baselines, generate
+from lpes_jax import baselines, generate, moice
 from lpes_jax.config import LlamaConfig
 from lpes_jax.llama import Llama, init_params
 
@@ -39,7 +41,7 @@ PRESETS = {
 PRESET_HELP = {name: f"random weights, {p['num_layers']} layers x {p['hidden_size']}, "
                      f"{p['num_heads']} heads ({p['num_kv_heads']} kv), vocab {p['vocab_size']}"
                for name, p in PRESETS.items()}
-METHODS = ("base", "lpes", "pi", "ms_poe", "buckets")
+METHODS = ("base", "lpes", "pi", "ms_poe", "buckets", "moice")
 
 
 def main(argv=None) -> None:
@@ -90,6 +92,8 @@ def time_methods(args: argparse.Namespace, methods: list[str]) -> None:
   mask = jnp.ones_like(tokens, bool)
   curve = jnp.asarray(1.0 / np.linspace(1.0, 2.0, cfg.num_layers), jnp.float32)
   n = args.new_tokens
+  mcfg = moice.paper_config(cfg.rope_theta)
+  routers = moice.init_routers(jax.random.key(1), cfg, mcfg)
   fns = {
       "base": jax.jit(lambda p, t, m: greedy(p, t, m, None, n)),
       "lpes": jax.jit(lambda p, t, m, c: greedy(p, t, m, c, n)),
@@ -99,10 +103,12 @@ def time_methods(args: argparse.Namespace, methods: list[str]) -> None:
               t, m, baselines.ms_poe_multipliers(model, p, t, m))),
       "buckets": jax.jit(lambda p, t, m: baselines.buckets_greedy(
           cfg, baselines.bucket_bases(cfg.rope_theta), p, t, m, n)),
+      "moice": jax.jit(lambda p, t, m, r: greedy(
+          p, t, m, None, n, attention=moice.moice_attention(r, cfg, mcfg))),
   }
   results = {}
   for name in methods:
-    extra = (curve,) if name == "lpes" else ()
+    extra = {"lpes": (curve,), "moice": (routers,)}.get(name, ())
     t0 = time.perf_counter()
     jax.block_until_ready(fns[name](params, tokens, mask, *extra))
     compile_s = time.perf_counter() - t0

@@ -23,7 +23,7 @@
   with its own KV cache (`lpes_jax.generate`'s prefill and decode steps); at every decoding step
   the copies' last-token logits ℓ_b are weighted by softmax_b(max_v ℓ_b[v]) and summed; the
   argmax is fed back to every copy.
-* MoICE is not implemented.
+* MoICE (Lin et al., arXiv 2406.19598) has trained routers and lives in `lpes_jax.moice`.
 
 Shape letters: B batch, T tokens, N query heads, K kv heads, H head dim, L layers, V vocabulary.
 """

@@ -6,7 +6,8 @@
 
 Every method decodes through `lpes_jax.generate` (base, PI, LPES: `greedy_tokens` with their
 multipliers; Ms-PoE: per-prompt multipliers from `baselines.ms_poe_multipliers`) or
-`baselines.buckets_greedy` (Attention Buckets). Outputs are cut at the first EOS and scored with
+`baselines.buckets_greedy` (Attention Buckets); MoICE decodes through `greedy_tokens` with the
+trained routers' attention (`lpes_jax.moice`). Outputs are cut at the first EOS and scored with
 the task's LitM metric.
 
 Shape letters: B batch, T prompt length, G new tokens, L layers, N query heads.
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lpes_jax import baselines, fitness, generate, search
+from lpes_jax import baselines, fitness, generate, moice, search
 from pope_jax import generation
 from lpes_jax.config import LlamaConfig
 from lpes_jax.llama import Llama
@@ -31,7 +32,7 @@ from lpes_jax.tasks import begin_middle_end, position_indices
 from lpes_jax.tasks.task import (ANSWER_PREFIX, TaskConfig, answer_text, encode_prompt,
                                  num_items, score, task_examples)
 
-METHODS = ("base", "pi", "ms_poe", "buckets", "lpes")
+METHODS = ("base", "pi", "ms_poe", "buckets", "lpes", "moice")
 
 
 def search_batch(task: TaskConfig, tok, config: LlamaConfig, *, num_examples: int, seed: int,
@@ -77,6 +78,7 @@ class EvalConfig:
     buckets_absolute: Attention Buckets uses the RAG bases as is.
     prompt_len: pad every prompt to this many tokens (one compiled shape for several positions
       and tasks); default: the longest prompt of each position rounded up to 32.
+    moice_routers: folder of trained MoICE routers (method "moice"; `experiments.moice_train`).
   """
   method: str = "base"
   scales: str | None = None
@@ -89,12 +91,15 @@ class EvalConfig:
   ms_poe_official: bool = False
   buckets_absolute: bool = False
   prompt_len: int | None = None
+  moice_routers: str | None = None
 
   def __post_init__(self):
     if self.method not in METHODS:
       raise ValueError(f"EvalConfig.method must be one of {METHODS}, got {self.method!r}")
     if self.method == "lpes" and not self.scales:
       raise ValueError("EvalConfig.method 'lpes' needs scales (a search's results.json)")
+    if self.method == "moice" and not self.moice_routers:
+      raise ValueError("EvalConfig.method 'moice' needs moice_routers (a moice_train folder)")
     if self.num_examples < 1:
       raise ValueError(f"EvalConfig.num_examples must be >= 1, got {self.num_examples}")
 
@@ -107,6 +112,8 @@ def method_generator(config: LlamaConfig, params: Any, ev: EvalConfig) -> Genera
 
   Raises:
     ValueError: an LPES scales file that does not load or has another number of layers.
+    FileNotFoundError, ValueError, moice.RoutersMismatch: MoICE routers that do not load or do
+      not fit the model.
   """
   greedy = functools.partial(generate.greedy_tokens, config)
   if ev.method in ("base", "pi", "lpes"):
@@ -130,6 +137,11 @@ def method_generator(config: LlamaConfig, params: Any, ev: EvalConfig) -> Genera
       row = lambda ti, mi, mu: greedy(p, ti[None], mi[None], mu, n)[0]
       return jax.vmap(row)(t, m, mults)
     fn = jax.jit(ms_poe, static_argnums=3)
+  elif ev.method == "moice":
+    routers, mcfg = moice.load_routers(ev.moice_routers, config)
+    run = jax.jit(lambda p, r, t, m, n: greedy(
+        p, t, m, None, n, attention=moice.moice_attention(r, config, mcfg)), static_argnums=4)
+    fn = lambda p, t, m, n: run(p, routers, t, m, n)
   else:
     bases = baselines.bucket_bases(config.rope_theta, relative=not ev.buckets_absolute)
     fn = jax.jit(lambda p, t, m, n: baselines.buckets_greedy(config, bases, p, t, m, n),

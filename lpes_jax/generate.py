@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from lpes_jax.config import LlamaConfig
-from lpes_jax.llama import KVCache, Llama, init_kv_cache
+from lpes_jax.llama import AttentionFn, KVCache, Llama, init_kv_cache
 from pope_jax import encodings, generation
 
 
@@ -49,16 +49,17 @@ def last_logits(config: LlamaConfig, params: Any, tokens: Array, attention_mask:
                              rope_multipliers=rope_multipliers, logits_to_keep=window)
 
 
-def llama_step(config: LlamaConfig, params: Any,
-               rope_multipliers: Array | None) -> generation.Step:
+def llama_step(config: LlamaConfig, params: Any, rope_multipliers: Array | None, *,
+               attention: AttentionFn | None = None) -> generation.Step:
   """The model as a `pope_jax.generation.Step`: (tokens [B, T], mask [B, T], cache) ->
-  (last-position logits [B, V] float32, the cache extended by the T tokens)."""
+  (last-position logits [B, V] float32, the cache extended by the T tokens). `attention`: the
+  model's optional attention variant (`lpes_jax.llama.AttentionFn`, e.g. MoICE)."""
   model = Llama(config)
 
   def step(tokens, mask, cache):
     logits, cache = model.apply({"params": params}, tokens, attention_mask=mask,
                                 rope_multipliers=rope_multipliers, kv_cache=cache,
-                                logits_to_keep=1)
+                                logits_to_keep=1, attention=attention)
     return logits[:, -1], cache
 
   return step
@@ -87,7 +88,8 @@ def decode_step(config: LlamaConfig, params: Any, token: Array, cache: KVCache,
 
 
 def greedy_tokens(config: LlamaConfig, params: Any, tokens: Array, attention_mask: Array,
-                  rope_multipliers: Array | None, num_new: int) -> Array:
+                  rope_multipliers: Array | None, num_new: int, *,
+                  attention: AttentionFn | None = None) -> Array:
   """Exactly `num_new` greedy tokens after left-padded prompts (no EOS stop).
 
   Prefill, then `lax.scan` over single-token steps: traceable, so it vmaps over candidates.
@@ -97,12 +99,14 @@ def greedy_tokens(config: LlamaConfig, params: Any, tokens: Array, attention_mas
     tokens: [B, T] int32 left-padded prompts; attention_mask: [B, T] bool.
     rope_multipliers: None, [], [L] or [L, N] float (traced).
     num_new: G (static), >= 1.
+    attention: None, or the model's attention variant (e.g. `lpes_jax.moice.moice_attention`).
 
   Returns:
     [B, G] int32.
   """
   cache = init_kv_cache(config, tokens.shape[0], tokens.shape[1] + num_new)
-  out, _ = generation.decode(llama_step(config, params, rope_multipliers), cache, tokens,
+  step = llama_step(config, params, rope_multipliers, attention=attention)
+  out, _ = generation.decode(step, cache, tokens,
                              attention_mask, max_new_tokens=num_new)
   return out
 

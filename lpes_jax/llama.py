@@ -12,6 +12,9 @@ attention with half-split ("rotate_half") RoPE on the checkpoint's frequencies, 
 o) biases, tied or untied LM head. Parameter names follow Hugging Face (`embed_tokens`,
 `layers_i/self_attn/q_proj`, ...; Dense kernels are the transposed HF weights).
 
+Attention variants (MoICE, `lpes_jax.moice`): `attention` is an optional callable that replaces
+each layer's RoPE attention call; see `AttentionFn`. Without it the model is unchanged.
+
 LPES: `rope_multipliers` ([], [L] or [L, N]; 1/s interpolates positions by s) is an array input,
 not a parameter or a static field, so one compiled function serves every candidate and `jax.vmap`
 over multipliers works. Per-head multipliers apply to query heads, so the query heads of one GQA
@@ -29,7 +32,8 @@ H head dim, F MLP width, V vocabulary, L layers.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -43,6 +47,15 @@ from pope_jax.positions import check_int32_range, empty_kv_cache, padded_positio
 
 Array = jax.Array
 KVCache = dict[str, Any]
+AttentionFn = Callable[..., tuple[Array, dict[str, Array]]]
+"""An attention variant: `fn(layer, q, k, v, *, q_positions, attend) -> (out, sown)`.
+
+layer: the layer index (a Python int); q [B, T, N, H] (un-rotated); k, v [B, S, K, H] (the whole
+cache, un-rotated keys); q_positions [B, T] int32; `attend(q, k, v, frequencies=None)` is the
+layer's own `rope_attention` call (positions, masks, multipliers and implementation bound;
+`frequencies` [H/2] float32 replaces the checkpoint's). Returns out [B, T, N, H] in q's dtype and
+a dict of arrays sown into the "intermediates" collection of that layer's `self_attn`.
+"""
 
 
 def init_kv_cache(config: LlamaConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
@@ -82,8 +95,9 @@ class Attention(nn.Module):
   config: LlamaConfig
 
   @nn.compact
-  def __call__(self, x, *, positions, multiplier, keys):
-    """x [B, T, D]; positions [B, T]; multiplier None or [N]; keys: dict of the key side.
+  def __call__(self, x, *, positions, multiplier, keys, attention=None):
+    """x [B, T, D]; positions [B, T]; multiplier None or [N]; keys: dict of the key side;
+    attention: None or an `AttentionFn` with the layer index bound.
 
     `keys` holds "k", "v" ([B, S, K, H] cache of raw keys, or None), "positions" [B, S],
     "valid" [B, S], "index" (slot of the first new token) and "plain" (no cache, padding or
@@ -105,11 +119,17 @@ class Attention(nn.Module):
       v = jax.lax.dynamic_update_slice(keys["v"], v.astype(keys["v"].dtype), start)
     at = {} if keys["plain"] else dict(q_positions=positions, k_positions=keys["positions"],
                                        key_mask=keys["valid"])
-    out = rope_attention(
-        q, k.astype(dtype), v.astype(dtype), is_causal=True, multiplier=multiplier,
+    attend = functools.partial(
+        rope_attention, is_causal=True, multiplier=multiplier,
         frequencies=jnp.asarray(scaled_rope_frequencies(h, cfg.rope_theta, cfg.rope_scaling)),
-        local_window=cfg.sliding_window, implementation=cfg.attention_implementation,
-        **at)                                                                  # [B, T, N, H]
+        local_window=cfg.sliding_window, implementation=cfg.attention_implementation, **at)
+    k_all, v_all = k.astype(dtype), v.astype(dtype)
+    if attention is None:
+      out = attend(q, k_all, v_all)                                            # [B, T, N, H]
+    else:
+      out, sown = attention(q, k_all, v_all, q_positions=positions, attend=attend)
+      for name, value in sown.items():
+        self.sow("intermediates", name, value)
     out = dense(cfg.hidden_size, cfg.o_bias, "o_proj")(out.reshape(b, t, n * h))
     return out, (k, v)
 
@@ -133,12 +153,12 @@ class DecoderLayer(nn.Module):
   config: LlamaConfig
 
   @nn.compact
-  def __call__(self, x, *, positions, multiplier, keys):
+  def __call__(self, x, *, positions, multiplier, keys, attention=None):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     h, kv = Attention(cfg, name="self_attn")(
         RMSNorm(cfg.rms_norm_eps, dtype, name="input_layernorm")(x), positions=positions,
-        multiplier=multiplier, keys=keys)
+        multiplier=multiplier, keys=keys, attention=attention)
     x = x + h
     x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.rms_norm_eps, dtype,
                                          name="post_attention_layernorm")(x))
@@ -159,6 +179,7 @@ class Llama(nn.Module):
       rope_multipliers: Array | float | None = None,
       kv_cache: KVCache | None = None,
       logits_to_keep: int | None = None,
+      attention: AttentionFn | None = None,
   ):
     """Next-token logits, optionally reading and extending a KV cache.
 
@@ -174,6 +195,8 @@ class Llama(nn.Module):
         index..index+T−1 and may attend to everything written before).
       logits_to_keep: compute logits for the last W = logits_to_keep positions only ([B, W, V];
         Hugging Face's argument of that name); None: all T positions.
+      attention: None (RoPE attention), or an `AttentionFn` called in every layer instead
+        (e.g. `lpes_jax.moice.moice_attention`); it may close over traced arrays.
 
     Returns:
       logits [B, T, V] ([B, W, V] with logits_to_keep) float32 without a cache; (logits,
@@ -239,7 +262,8 @@ class Llama(nn.Module):
       layer_keys = dict(keys, k=None if kv_cache is None else kv_cache["k"][i],
                         v=None if kv_cache is None else kv_cache["v"][i])
       x, (k, v) = DecoderLayer(cfg, name=f"layers_{i}")(
-          x, positions=positions, multiplier=None if mult is None else mult[i], keys=layer_keys)
+          x, positions=positions, multiplier=None if mult is None else mult[i], keys=layer_keys,
+          attention=None if attention is None else functools.partial(attention, i))
       new_k.append(k)
       new_v.append(v)
     x = RMSNorm(cfg.rms_norm_eps, dtype, name="norm")(x)

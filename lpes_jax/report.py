@@ -47,6 +47,8 @@ def eval_results_md(record: dict) -> str:
       f"the search uses seed 0); greedy, {a['max_new_tokens']} new tokens.",
       f"- Scales: `{a['scales']}`." if record["method"] == "lpes" else
       f"- Method settings: PI s = {a['pi_scale']}." if record["method"] == "pi" else
+      f"- MoICE routers: `{a.get('moice_routers')}` (experiments.moice_train)."
+      if record["method"] == "moice" else
       f"- Method: {record['method']}.",
       f"- Chance level: {chance_level(record['task'], record['num_items'])}.",
       f"- {PAPER}",

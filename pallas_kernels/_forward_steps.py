@@ -32,15 +32,6 @@ class ItemSteps:
     self.ranges, self.origin = ranges, origin  # this item's first step is the ring's `base`
     self.ones_smem, self.handshake = k.refs.ones_smem, k.handshake
 
-  def wait_step(self, s):
-    with jax.named_scope("wait_kv"):
-      slot = st.slot_of(s, self.origin, self.k.stages)
-      plgpu.barrier_wait(self.r.ready.at[slot])
-      return slot
-
-  def scores(self, slot):
-    return self.a_lhs, self.r.b_smem.at[slot].transpose((1, 0)), (self.k.bq, self.k.bk)
-
   def softmax(self, s_blk, m_i, l_i, slot, mode, bounded=False):
     """Online softmax of one score tile: (m, l, P, alpha), alpha the per-row factor of the old
     acc (`rescale`; 1 where the max stays, None: no rescale); P in q's dtype. Under
@@ -52,9 +43,7 @@ class ItemSteps:
     k, bq, bk = self.k, self.k.bq, self.k.bk
     with jax.named_scope("softmax"):
       if mode == "masked":
-        kpos = st.row_vector(self.r.kpos_smem.at[slot], 1)
-        visible = st.broadcast(kpos, (bq, bk), 1) <= st.broadcast(self.qpos, (bq, bk), 0)
-        s_blk = jnp.where(visible, s_blk, st.NEG_INF)
+        s_blk = st.causal_mask(s_blk, st.row_vector(self.r.kpos_smem.at[slot], 1), self.qpos, 1)
       if bounded:
         p = jnp.exp2(s_blk)
         if self.ones_smem is None:
@@ -70,15 +59,6 @@ class ItemSteps:
       if self.ones_smem is None:  # (else [bq, ROW_SUM_COLS], rescaled with acc; P @ 1 in `pv`)
         l_i = l_i * alpha + p.sum(axis=1)
       return m_new, l_i, p.astype(k.dtype), alpha
-
-  def hand_over(self, *values, pp):
-    """Under ping-pong (`pp`): finish computing `values`, then the handshake that hands the
-    tensor cores to the other warpgroup (ptxas may hoist its arrive; its wait stays here)."""
-    if not pp:
-      return values
-    values = lax.optimization_barrier(values)
-    self.handshake()
-    return values
 
   def rescale(self, acc, l_i, alpha):
     """acc, and under `row_sum_mma` l, times `softmax`'s per-row alpha; under
@@ -98,30 +78,23 @@ class ItemSteps:
       return ops.matmul_acc(acc, p, self.r.v_smem.at[slot]), l_i
     return ops.matmul_accs((acc, l_i), p, (self.r.v_smem.at[slot], self.ones_smem.at[self.wg]))
 
-  def skip(self, s, carry, pp):
-    plgpu.barrier_arrive(self.r.consumed.at[self.wait_step(s)])
-    if pp:
-      self.handshake()
-      self.handshake()
-    return carry
-
-  def step(self, s, carry, mode, bounded=False):
+  def step(self, slot, carry, mode, bounded=False):
     """One step as written: QKᵀ, softmax, then PV, each awaited; with ping-pong handshakes
-    unless `bounded`."""
+    unless `bounded` (the second hands the tensor cores to the other warpgroup once the
+    softmax is done: ptxas may hoist its arrive; its wait stays here)."""
     pp = self.k.ping_pong and not bounded
-    if mode == "skip":
-      return self.skip(s, carry, pp)
     acc, m_i, l_i = carry
-    slot = self.wait_step(s)
     with jax.named_scope("qk"):
-      s_blk = ops.matmul(*self.scores(slot), then=self.handshake if pp else None)
+      s_blk = ops.matmul(self.a_lhs, self.r.b_smem.at[slot].transpose((1, 0)),
+                         (self.k.bq, self.k.bk), then=self.handshake if pp else None)
     m_i, l_i, p, alpha = self.softmax(s_blk, m_i, l_i, slot, mode, bounded=bounded)
     if alpha is not None:
       acc, l_i = self.rescale(acc, l_i, alpha)
-    acc, m_i, l_i, p = self.hand_over(acc, m_i, l_i, p, pp=pp)
+    if pp:
+      acc, m_i, l_i, p = lax.optimization_barrier((acc, m_i, l_i, p))
+      self.handshake()
     with jax.named_scope("pv"):
       acc, l_i = self.pv(acc, l_i, p, slot)
-    plgpu.barrier_arrive(self.r.consumed.at[slot])
     return acc, m_i, l_i
 
   def loops(self, bounded):
@@ -134,8 +107,11 @@ class ItemSteps:
       l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), wgmma.reduce(1))
     else:
       l_i = plgpu.layout_cast(jnp.zeros((bq, ROW_SUM_COLS), jnp.float32), wgmma)
-    acc, m_i, l_i = st.compute_loops(self.ranges, (acc, m_i, l_i),
-                                     functools.partial(self.step, bounded=bounded))
+    pp = self.k.ping_pong and not bounded
+    acc, m_i, l_i = st.compute_loops(
+        self.ranges, self.origin, (acc, m_i, l_i), functools.partial(self.step, bounded=bounded),
+        self.k.stages, self.r.ready, self.r.consumed,
+        skipped=(lambda: (self.handshake(), self.handshake())) if pp else None)
     if self.ones_smem is not None:  # every column holds the row sums
       l_i = l_i.max(axis=1)
     return acc, m_i, l_i

@@ -14,7 +14,7 @@ from pallas_kernels import _streaming as st
 # 2π in two parts (Cody-Waite): turns · _TWO_PI_HI is exact for |turns| < 2**16.
 _TWO_PI_HI = 6.28125
 _TWO_PI_LO = 2 * math.pi - _TWO_PI_HI
-# `BlockSizes.query_tables`' dtype: float16 holds [-1, 1] to 2**-12 (bfloat16 only to 2**-9).
+# The query tables' dtype (`ForwardPlan.tables`): float16 holds [-1, 1] to 2**-12 (bf16: 2**-9).
 TABLE_DTYPE = jnp.float16
 
 
@@ -36,7 +36,7 @@ def cartesian_halves(x, pos, freq, phase, magnitude_scale: float, dtype):
 def cartesian_halves_from_tables(x, cos_t, sin_t, cos_p, sin_p, magnitude_scale: float,
                                  dtype):
   """`cartesian_halves` from cos_t, sin_t [R, H] of pos·θ and cos_p, sin_p [H] float32 of the
-  phase, by angle addition (`BlockSizes.query_tables`): two transcendentals, not four."""
+  phase, by angle addition (`ForwardPlan.tables`): two transcendentals, not four."""
   rows, h = x.shape
   cos_t, sin_t = cos_t.astype(jnp.float32), sin_t.astype(jnp.float32)
   cos_p, sin_p = st.broadcast(cos_p, (rows, h), 1), st.broadcast(sin_p, (rows, h), 1)

@@ -1,12 +1,10 @@
 """Shared pieces of the warp-specialised PoPE attention kernels (Mosaic GPU, Hopper).
 
-Every kernel has the same skeleton: a CTA holds two (the forward two or three) resident tiles,
-one per compute warpgroup, and a memory warpgroup streams tiles of the other operand through
-`stages` SMEM slots with TMA. A CTA (at most one per SM) runs such groups of tiles (items) in
-turn, as a static schedule assigns them (`item_schedule`), streaming all of them through one
-ring of slots.
-Which streamed steps a resident tile visits is precomputed in XLA from the positions (see
-`visit_table`), so causal block skipping is exact for any positions:
+Each kernel's CTA (at most one per SM) runs groups of resident tiles (items), one tile per
+compute warpgroup, as a static schedule assigns them (`item_schedule`); a memory warpgroup
+streams the other operand's tiles through one ring of `stages` SMEM slots with TMA. Which
+streamed steps a resident tile visits is precomputed in XLA from the positions
+(`visit_table`), so causal block skipping is exact for any positions:
 
   [u_lo, lo)   visited by another warpgroup only: wait, release, no math
   [lo, flo)    partly visible: masked by position
@@ -185,18 +183,45 @@ def read_ranges(tab_ref, batch, tile, wg):
   return u_lo, u_hi, lo, flo, fhi, hi
 
 
-def slot_of(s, origin, stages: int):
-  """The ring slot of step s; origin = u_lo - the ring's step at u_lo (`stream`)."""
-  return lax.rem(s - origin, stages)
+def load_resident(copies, wg, barriers) -> None:
+  """A backward compute warpgroup's resident tiles: once the previous item's stores have read
+  SMEM, copies each (gmem ref, smem buffers) of `copies` into the buffers' row `wg`, and waits."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  for i, (src, dst) in enumerate(copies):
+    plgpu.copy_gmem_to_smem(src, dst.at[wg], barriers.at[i * COMPUTE_WGS + wg])
+  for i in range(len(copies)):
+    plgpu.barrier_wait(barriers.at[i * COMPUTE_WGS + wg])
 
 
-def compute_loops(ranges, carry, step):
-  """Runs step(s, carry, mode) over the five ranges; mode is "skip", "masked" or "full"."""
+def compute_loops(ranges, origin, carry, step, stages: int, ready, consumed, skipped=None):
+  """A compute warpgroup's steps s of one item over its five ranges: each waits for its slot
+  of the ring (origin = u_lo - the ring's step at u_lo, `memory_warpgroup`), runs carry =
+  step(slot, carry, mode) with mode "masked" or "full" (a "skip" step calls `skipped` after),
+  and releases the slot."""
+  def run(s, carry, mode):
+    with jax.named_scope("wait_kv"):
+      slot = lax.rem(s - origin, stages)
+      plgpu.barrier_wait(ready.at[slot])
+    if mode != "skip":
+      carry = step(slot, carry, mode)
+    plgpu.barrier_arrive(consumed.at[slot])
+    if mode == "skip" and skipped is not None:
+      skipped()
+    return carry
+
   u_lo, u_hi, lo, flo, fhi, hi = ranges
   for start, stop, mode in ((u_lo, lo, "skip"), (lo, flo, "masked"), (flo, fhi, "full"),
                             (fhi, hi, "masked"), (hi, u_hi, "skip")):
-    carry = lax.fori_loop(start, stop, lambda s, c, mode=mode: step(s, c, mode), carry)
+    carry = lax.fori_loop(start, stop, lambda s, c, mode=mode: run(s, c, mode), carry)
   return carry
+
+
+def causal_mask(scores, k_pos, q_pos, key_axis: int):
+  """`scores` where the key position (`k_pos`, along `key_axis`) is at most the query's, else
+  -inf."""
+  visible = (broadcast(k_pos, scores.shape, key_axis)
+             <= broadcast(q_pos, scores.shape, 1 - key_axis))
+  return jnp.where(visible, scores, NEG_INF)
 
 
 # --- The memory warpgroup: one ring of SMEM slots over all of a CTA's items.
@@ -206,50 +231,40 @@ def ready_barrier(stages: int, copies_per_step: int):
   return plgpu.Barrier(num_arrivals=copies_per_step, num_barriers=stages)
 
 
-def stream(u_lo, u_hi, base, stages: int, consumed, issue):
-  """Memory warpgroup, one item: issue(s, slot) for s in [u_lo, u_hi). Step s is the ring's
-  step n = base + s - u_lo, into slot n % stages once step n - stages released it, so the next
-  item's copies overlap this one's math. Returns the ring's next step; `drain` ends it."""
-  def body(s, _):
-    n = base + s - u_lo
-    slot = lax.rem(n, stages)
-
-    @pl.when(n >= stages)
-    def _wait():
-      with jax.named_scope("wait_release"):
-        plgpu.barrier_wait(consumed.at[slot])
-
-    issue(s, slot)
-    return None
-
-  lax.fori_loop(u_lo, u_hi, body, None)
-  return base + u_hi - u_lo
-
-
-def drain(steps, stages: int, consumed) -> None:
-  """Memory warpgroup, at the end: waits for the release of the ring's last steps."""
-  def wait(n, _):
-    plgpu.barrier_wait(consumed.at[lax.rem(n, stages)])
-    return None
-
-  lax.fori_loop(jnp.maximum(steps - stages, 0), steps, wait, None)
-
-
 def memory_warpgroup(for_items, stages: int, consumed, ready, visit, copies,
                      registers: int = 40):
-  """The TMA warpgroup of every kernel here: for each item (`for_items`) and step s of its
-  range `visit(item)` = (u_lo, u_hi), copies each (gmem ref, smem buffers) of `copies(item, s)`
-  into the step's slot of one ring (`stream`), all signalling the slot's `ready` barrier."""
+  """The TMA warpgroup of every kernel here. For each item (`for_items`), step s of its range
+  `visit(item)` = (u_lo, u_hi) is the ring's step n = base + s - u_lo: once step n - stages
+  released slot n % stages, each (gmem ref, smem buffers) of `copies(item, s)` is copied into
+  it, signalling the slot's `ready` barrier, so the next item's copies overlap this one's math.
+  At the end it waits for the release of the ring's last steps."""
   plgpu.set_max_registers(registers, action="decrease")
 
   def item_body(item, base):
-    def issue(s, slot):
+    u_lo, u_hi = visit(item)
+
+    def step(s, _):
+      n = base + s - u_lo
+      slot = lax.rem(n, stages)
+
+      @pl.when(n >= stages)
+      def _wait():
+        with jax.named_scope("wait_release"):
+          plgpu.barrier_wait(consumed.at[slot])
+
       for src, dst in copies(item, s):
         plgpu.copy_gmem_to_smem(src, dst.at[slot], ready.at[slot])
+      return None
 
-    return stream(*visit(item), base, stages, consumed, issue)
+    lax.fori_loop(u_lo, u_hi, step, None)
+    return base + u_hi - u_lo
 
-  drain(for_items(item_body, jnp.int32(0)), stages, consumed)
+  def drain(n, _):
+    plgpu.barrier_wait(consumed.at[lax.rem(n, stages)])
+    return None
+
+  steps = for_items(item_body, jnp.int32(0))
+  lax.fori_loop(jnp.maximum(steps - stages, 0), steps, drain, None)
 
 
 def stream_keys(for_items, tile_of, tab_ref, gmem, smem, group: int, block_kv: int,

@@ -1,19 +1,11 @@
 """Fused PoPE attention on Hopper GPUs (Pallas Mosaic GPU), forward and backward.
 
-PoPE (arXiv 2509.10534, Eq. 5/6) scores a_ts = Σ_c μq_tc μk_sc cos((s - t)θ_c + δ_c), μ =
-softplus, θ_c = base^(-c/H): ordinary attention over the 2H-wide Cartesian vectors
-  q'_t = [μq cos(tθ - δ), μq sin(tθ - δ)],  k'_s = [μk cos sθ, μk sin sθ].
-The keys are mapped in one XLA pass (`key_map`); the forward kernel maps each query tile itself
-and saves it for the backward kernels, which apply the maps' VJP in their epilogues
-(`pope_attention_bwd.cartesian_vjp`; for fp16 XLA maps dq, `_query_vjp_in_kernel`). Tables that
-depend on the positions alone are trace-time constants for concrete positions (`_positions`).
-
-Supported: bf16/fp16 inputs, float32 accumulation, H in {32, 64, 128}, V <= 128, GQA, any
-lengths (zero-padded), positions [T]/[S] or [B, T]/[B, S] with |position| < 2**24, causal
-(k_pos[s] <= q_pos[t]) or not; rows with no visible key return zeros. Runs on Hopper GPUs and in
-the Mosaic GPU interpreter on CPU (tests; set XLA_FLAGS=
---xla_cpu_enable_concurrency_optimized_scheduler=false on few cores, as tests/conftest.py does).
-Positions, θ and the clamped δ come from `pope_jax.attention`; nothing of `pope_jax` is imported.
+PoPE (arXiv 2509.10534, Eq. 5/6) is ordinary attention over the 2H-wide Cartesian vectors
+  q'_t = [μq cos(tθ - δ), μq sin(tθ - δ)],  k'_s = [μk cos sθ, μk sin sθ],  μ = softplus.
+XLA maps the keys (`key_map`); the forward kernel maps each query tile and saves it for the
+backward kernels, which apply the maps' VJP in their epilogues (`pope_attention_bwd`). Tables
+of the positions alone are trace-time constants for concrete positions (`_positions`). The
+design and its measurements: docs/kernel.md.
 
 Shape letters: B batch, T query length, S key length, N query heads, K kv heads, H head dim,
 V value head dim.
@@ -62,29 +54,20 @@ def unsupported_reason(q, k, v) -> str | None:
   if k.dtype != q.dtype or v.dtype != q.dtype:
     return (f"pallas PoPE attention needs one dtype for query, key, value; got {q.dtype}, "
             f"{k.dtype}, {v.dtype}")
-  if _shape_mismatch(q, k, v):
-    return _mismatch_message(q, k, v)
+  if _mismatch(q, k, v):
+    return _mismatch(q, k, v)
   if v.shape[-1] > MAX_VALUE_DIM:
     return f"value head dim {v.shape[-1]} exceeds {MAX_VALUE_DIM}"
   return None
 
 
-def _shape_mismatch(q, k, v) -> bool:
-  return (k.ndim != 4 or v.ndim != 4 or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]
-          or q.shape[2] % k.shape[2] or k.shape[:3] != v.shape[:3])
-
-
-def _mismatch_message(q, k, v) -> str:
-  return (f"query {q.shape} [B, T, N, H], key {k.shape} [B, S, K, H] and value {v.shape} "
-          f"[B, S, K, V] do not agree (one batch B, N a multiple of K)")
-
-
-def _check(q, k, v) -> None:
-  """Raises ValueError for q, k, v that do not agree, else NotImplementedError for operands
-  the kernel does not take."""
-  reason = unsupported_reason(q, k, v)
-  if reason is not None:
-    raise (ValueError if reason == _mismatch_message(q, k, v) else NotImplementedError)(reason)
+def _mismatch(q, k, v) -> str | None:
+  """Why q, k, v do not agree as [B, T, N, H], [B, S, K, H], [B, S, K, V], or None."""
+  if (k.ndim != 4 or v.ndim != 4 or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]
+      or q.shape[2] % k.shape[2] or k.shape[:3] != v.shape[:3]):
+    return (f"query {q.shape} [B, T, N, H], key {k.shape} [B, S, K, H] and value {v.shape} "
+            f"[B, S, K, V] do not agree (one batch B, N a multiple of K)")
+  return None
 
 
 def platform_reason() -> str | None:
@@ -117,9 +100,6 @@ class _Plan:
   blocks: BlockSizes
   inference: ForwardPlan  # the forward without saving a
   training: ForwardPlan   # the forward saving a for the backward
-
-  def forward(self, save_a: bool) -> ForwardPlan:
-    return self.training if save_a else self.inference
 
 
 def _plan(blocks: BlockSizes, h: int, value_dim: int, dtype) -> _Plan:
@@ -189,7 +169,7 @@ def _forward(q, phase, k, v, freqs, angle_pos, q_table, k_trig, q_pos, k_pos, ta
 
 def query_table(angle_pos, freqs):
   """cos(pos·θ), sin(pos·θ) [2, B or 1, T, H] in `TABLE_DTYPE` (pos·θ in float32) from
-  angle_pos [B or 1, T] float32 and freqs [H] float32 θ (`BlockSizes.query_tables`)."""
+  angle_pos [B or 1, T] float32 and freqs [H] float32 θ (`ForwardPlan.tables`)."""
   ang = angle_pos[:, :, None] * freqs
   return jnp.stack([jnp.cos(ang), jnp.sin(ang)]).astype(TABLE_DTYPE)
 
@@ -256,11 +236,7 @@ def _flash_bwd(plan, magnitude_scale, cartesian_map, res, d_out):
       return (cartesian_map(q, ang, phase) * magnitude_scale).astype(q.dtype)
     _, map_vjp = jax.vjp(query_map, *query)
     dq, dphase = map_vjp(da)
-  if blocks.split_dkv:
-    (dk,) = pope_attention_dkv(*args, *tables[2], blocks=blocks, outputs=("dk",))
-    (dv,) = pope_attention_dkv(*args, *tables[2], blocks=blocks, outputs=("dv",))
-  else:
-    dk, dv = pope_attention_dkv(*args, *tables[2], blocks=blocks)
+  dk, dv = pope_attention_dkv(*args, *tables[2], blocks=blocks)
   bsz, s_pad, kv_heads = b.shape[:3]
   group = a.shape[2] // kv_heads
   if group > 1:
@@ -395,8 +371,8 @@ def _positions(q_positions, k_positions, freqs, *, batch, t_len, s_len, is_causa
   table_kw = dict(query_tables=plan.inference.tables or plan.training.tables)
   if (not traced
       and _table_bytes(angle_pos, k_angle_pos, freqs, **table_kw) <= MAX_CONSTANT_TABLE_BYTES):
-    q_table, k_trig = _constant_angle_tables(_array_key(angle_pos), _array_key(k_angle_pos),
-                                             _array_key(freqs), **table_kw)
+    q_table, k_trig = _constant_angle_tables(*map(_array_key, (angle_pos, k_angle_pos, freqs)),
+                                             **table_kw)
   else:
     q_table, k_trig = _angle_tables(angle_pos, k_angle_pos, freqs, **table_kw)
   return angle_pos, q_table, k_trig, qp, kp, visits
@@ -431,7 +407,9 @@ def pope_attention(q, k, v, delta=None, *, frequencies, q_positions, k_positions
     ValueError: q, k, v that do not agree, concrete positions of magnitude MAX_POSITION or
       more, or `block_sizes` whose buffers do not fit in SMEM.
   """
-  _check(q, k, v)
+  reason = unsupported_reason(q, k, v)
+  if reason is not None:
+    raise (ValueError if reason == _mismatch(q, k, v) else NotImplementedError)(reason)
   reason = platform_reason()
   if reason is not None:
     raise NotImplementedError(reason)

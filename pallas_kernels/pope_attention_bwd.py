@@ -96,28 +96,17 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
                  (lse_ref.at[batch, head, rows], lse_smem),
                  (delta_ref.at[batch, head, rows], delta_smem),
                  (qpos_ref.at[batch, rows], qpos_smem))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's store read a's tile
-        for i, (src, dst) in enumerate(loads):
-          plgpu.copy_gmem_to_smem(src, dst.at[wg], res_bar.at[i * st.COMPUTE_WGS + wg])
-        for i in range(len(loads)):
-          plgpu.barrier_wait(res_bar.at[i * st.COMPUTE_WGS + wg])
+        st.load_resident(loads, wg, res_bar)
         lse = st.row_vector(lse_smem.at[wg], 0)
         dlt = st.row_vector(delta_smem.at[wg], 0)
         qpos = st.row_vector(qpos_smem.at[wg], 0)
         ranges = st.read_ranges(tab_ref, batch, tile, wg)
         origin = ranges[0] - base  # this item's first step is the ring's step `base`
 
-        def step(s, dq_acc, mode):
-          slot = st.slot_of(s, origin, stages)
-          plgpu.barrier_wait(ready.at[slot])
-          if mode == "skip":
-            plgpu.barrier_arrive(consumed.at[slot])
-            return dq_acc
+        def step(slot, dq_acc, mode):
           def probs(s_blk):
             if mode == "masked":
-              kpos = st.row_vector(kpos_smem.at[slot], 1)
-              visible = st.broadcast(kpos, (bq, bk), 1) <= st.broadcast(qpos, (bq, bk), 0)
-              s_blk = jnp.where(visible, s_blk, st.NEG_INF)
+              s_blk = st.causal_mask(s_blk, st.row_vector(kpos_smem.at[slot], 1), qpos, 1)
             return jnp.exp2(s_blk - st.broadcast(lse, (bq, bk), 0))
 
           _, (dq_acc,) = ops.gradient_step(
@@ -125,11 +114,10 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
               (do_smem.at[wg], v_smem.at[slot].transpose((1, 0)), (bq, bk)),
               probs, lambda p, dp: p * (dp - st.broadcast(dlt, (bq, bk), 0)),
               (), ((dq_acc, b_smem.at[slot]),), dtype, overlap=blocks.overlap_bwd)
-          plgpu.barrier_arrive(consumed.at[slot])
           return dq_acc
 
         dq_acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
-        dq_acc = st.compute_loops(ranges, dq_acc, step)
+        dq_acc = st.compute_loops(ranges, origin, dq_acc, step, stages, ready, consumed)
         if magnitude_scale is None:
           a_smem.at[wg][...] = (dq_acc * _LN2).astype(dtype)
         else:
@@ -170,35 +158,28 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
                    compute_wgs=wgs)(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
 
 
-_DKV_OUTPUTS = ("dk", "dv")
-
-
 def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
-                       blocks: BlockSizes,
-                       outputs: tuple[str, ...] = _DKV_OUTPUTS):
+                       blocks: BlockSizes):
   """Per query head, the raw keys' gradient dk (db = ln 2 · dSᵀ·a through the key map's VJP,
-  s = 1) and dv = Pᵀ·dO; the caller sums a GQA group. `outputs` picks which one launch
-  computes (`BlockSizes.split_dkv`: at H = 128 both accumulators spill).
+  s = 1) and dv = Pᵀ·dO; the caller sums a GQA group. One launch, or one per output with
+  `blocks.split_dkv` (at H = 128 one launch's float32 accumulators spill).
 
   Args:
-    as `pope_attention_dq`'s, with keys resident in table and schedule; outputs: a non-empty
-    ordered subset of ("dk", "dv").
+    as `pope_attention_dq`'s, with keys resident in table and schedule.
 
   Returns:
-    in `outputs` order, dk [B, S, N, H] and dv [B, S, N, V] in a's dtype.
-
-  Raises:
-    ValueError: `outputs` is empty, repeats a name or names another output.
+    dk [B, S, N, H] and dv [B, S, N, V] in a's dtype.
   """
-  outputs = tuple(outputs)
-  if not outputs or any(o not in _DKV_OUTPUTS for o in outputs) or len(set(outputs)) < len(outputs):
-    raise ValueError(f"outputs must be a non-empty subset of {_DKV_OUTPUTS}, got {outputs!r}")
-  return _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, blocks=blocks,
-              outputs=outputs)
+  args = (a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
+  if blocks.split_dkv:
+    return _dkv(*args, blocks=blocks, outputs=("dk",)) + _dkv(*args, blocks=blocks,
+                                                                outputs=("dv",))
+  return _dkv(*args, blocks=blocks, outputs=("dk", "dv"))
 
 
 @functools.partial(jax.jit, static_argnames=('blocks', 'outputs'))
 def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outputs):
+  """The dk/dv kernel computing `outputs`, ("dk",), ("dv",) or ("dk", "dv"), in that order."""
   want_dk, want_dv = "dk" in outputs, "dv" in outputs
   bsz, t_len, n_heads, d = a.shape
   h = d // 2
@@ -231,30 +212,19 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outp
         cols = pl.ds((tile * wgs + wg) * bk, bk)
         src = {"b": b_ref.at[batch, cols, kv_head], "v": v_ref.at[batch, cols, kv_head],
                "kpos": kpos_ref.at[batch, cols]}
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores read v's
-        for i, name in enumerate(resident):             # (or dk's) tile
-          plgpu.copy_gmem_to_smem(src[name], smem[name].at[wg], res_bar.at[i * wgs + wg])
-        for i in range(len(resident)):
-          plgpu.barrier_wait(res_bar.at[i * wgs + wg])
+        st.load_resident([(src[name], smem[name]) for name in resident], wg, res_bar)
         b_smem = smem["b"]
         kpos = st.row_vector(smem["kpos"].at[wg], 0)
         ranges = st.read_ranges(tab_ref, batch, tile, wg)
         origin = ranges[0] - base  # this item's first step is the ring's step `base`
 
-        def step(s, accs, mode):
-          slot = st.slot_of(s, origin, stages)
-          plgpu.barrier_wait(ready.at[slot])
-          if mode == "skip":
-            plgpu.barrier_arrive(consumed.at[slot])
-            return accs
+        def step(slot, accs, mode):
           accs = dict(zip(outputs, accs))
           a_smem, do_smem = str_smem["a"], str_smem["do"]
 
           def probs(s_t):
             if mode == "masked":
-              qpos = st.row_vector(str_smem["qpos"].at[slot], 1)
-              visible = st.broadcast(kpos, (bk, bq), 0) <= st.broadcast(qpos, (bk, bq), 1)
-              s_t = jnp.where(visible, s_t, st.NEG_INF)
+              s_t = st.causal_mask(s_t, kpos, st.row_vector(str_smem["qpos"].at[slot], 1), 0)
             lse = st.row_vector(str_smem["lse"].at[slot], 1)
             return jnp.exp2(s_t - st.broadcast(lse, (bk, bq), 1))
 
@@ -269,13 +239,13 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outp
               (smem["v"].at[wg], do_smem.at[slot].transpose((1, 0)), (bk, bq)),
               probs, ds_of, p_terms, ds_terms, dtype, overlap=blocks.overlap_bwd)
           accs.update(zip(("dv",) * want_dv + ("dk",) * want_dk, p_accs + ds_accs))
-          plgpu.barrier_arrive(consumed.at[slot])
           return tuple(accs[o] for o in outputs)
 
         widths = {"dk": d, "dv": vd}  # The dk accumulator holds db (D wide).
         accs = tuple(plgpu.layout_cast(jnp.zeros((bk, widths[o]), jnp.float32),
                                        plgpu.Layout.WGMMA) for o in outputs)
-        accs = dict(zip(outputs, st.compute_loops(ranges, accs, step)))
+        accs = dict(zip(outputs, st.compute_loops(ranges, origin, accs, step, stages, ready,
+                                                  consumed)))
         _store_dkv(accs, smem, wg, out_refs, (batch, cols, head), outputs, dk_in_v, dtype)
         return base + ranges[1] - ranges[0]
 

@@ -12,8 +12,7 @@ import math
 MAX_RESCALE_THRESHOLD = 15.0
 _INTS = ("block_q", "block_kv", "block_q_dq", "block_kv_dq", "block_kv_dkv", "block_q_dkv",
          "stages")
-_BOOLS = ("ping_pong", "overlap_bwd", "split_dkv", "row_sum_mma", "bounded_softmax",
-          "query_tables")
+_BOOLS = ("ping_pong", "overlap_bwd", "split_dkv", "row_sum_mma", "bounded_softmax")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,7 +37,6 @@ class BlockSizes:
     row_sum_mma: forward row sums as P @ 1 on the tensor cores; the softmax bounds the forward.
     bounded_softmax: bf16 forward skips the running max where PoPE's magnitudes bound a tile.
     rescale_threshold: log2 units a row's max may grow before rescaling (FA4); None: every step.
-    query_tables: forward maps queries from float16 cos, sin tables of pos·θ: half the SFU work.
   """
   block_q: int = 64
   block_kv: int = 128
@@ -54,7 +52,6 @@ class BlockSizes:
   row_sum_mma: bool = False
   bounded_softmax: bool = False
   rescale_threshold: float | None = None
-  query_tables: bool = True
 
   def __post_init__(self):
     for field in _INTS + ("forward_warpgroups",) * (self.forward_warpgroups is not None):
@@ -91,12 +88,11 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
   """The tuned values on the H200 for PoPE head dim H (the results page has the measurements).
 
   H <= 64: `BlockSizes()`. H = 128: two forward warpgroups without ping-pong, 64-row key steps,
-  the backward in FA3's order with dk and dv in two launches, row sums on the tensor cores,
-  rescaling at 8 and no query tables (they do not fit). `bounded_softmax` stays off everywhere:
-  it needs bounded tiles to pay off.
+  the backward in FA3's order with dk and dv in two launches, row sums on the tensor cores and
+  rescaling at 8. `bounded_softmax` stays off everywhere: it needs bounded tiles to pay off.
   """
   if head_dim <= 64:
     return BlockSizes()
   return BlockSizes(block_kv=64, block_kv_dq=64, block_q_dkv=64, forward_warpgroups=2,
                     ping_pong=False, overlap_bwd=True, split_dkv=True, row_sum_mma=True,
-                    rescale_threshold=8.0, query_tables=False)
+                    rescale_threshold=8.0)

@@ -43,16 +43,19 @@ class ForwardPlan:
   warpgroups: int      # compute warpgroups W
   ping_pong: bool      # the two warpgroups' handshakes (the interpreter runs without)
   stages: int          # pipeline depth
-  tables: bool         # the query map reads float16 cos, sin tables (`query_tables`)
+  tables: bool         # the query map reads float16 cos, sin tables of pos·θ (half the SFU work)
   save_a: bool         # also returns a for the backward
   bounded: bool        # bf16 `bounded_softmax` (fp16's P would overflow above 2**16)
-  q_in_o: bool         # the query tile is staged in the output tile's SMEM
-  a_in_smem: bool      # a is staged for its store in its own SMEM tile
 
   @property
   def tile_rows(self) -> int:
     """Query rows per CTA item (W block_q), the unit of the bounded flags."""
     return self.warpgroups * self.blocks.block_q
+
+  @property
+  def a_in_smem(self) -> bool:
+    """a is staged for its store in its own SMEM tile (else through the output tile's)."""
+    return self.save_a and self.h != self.vd
 
 
 def plan_forward(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool) -> ForwardPlan:
@@ -60,25 +63,20 @@ def plan_forward(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool) -> Fo
   whether a is saved: three warpgroups where `forward_warpgroups` is None and they fit (with a
   saved, no tables: one answer for both forwards), then max(3, stages) where that fits, then
   the query tables where they fit beside."""
-  def plan(save_a, **kw):
-    q_in_o = h == vd and st.interpreted()  # (a persistent CTA prefetches the next queries)
-    return ForwardPlan(blocks=blocks, h=h, vd=vd, dtype=jnp.dtype(dtype), save_a=save_a,
-                       q_in_o=q_in_o,
-                       a_in_smem=save_a and h != vd, **kw)
+  def fits(**change):
+    return st.smem_bytes(_scratch(dataclasses.replace(plan, **change))) <= st.smem_limit()
 
-  def fits(p):
-    return st.smem_bytes(_scratch(p)) <= st.smem_limit()
-
-  bounded = blocks.bounded_softmax and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
-  kw = dict(warpgroups=blocks.forward_warpgroups or 2, ping_pong=False, stages=blocks.stages,
-            tables=False, bounded=bounded)
-  if blocks.forward_warpgroups is None and fits(plan(True, **{**kw, "warpgroups": 3})):
-    kw["warpgroups"] = 3
-  kw["ping_pong"] = blocks.ping_pong and kw["warpgroups"] == 2
-  if fits(plan(save_a, **{**kw, "stages": max(3, blocks.stages)})):
-    kw["stages"] = max(3, blocks.stages)
-  kw["tables"] = blocks.query_tables and fits(plan(save_a, **{**kw, "tables": True}))
-  return plan(save_a, **kw)
+  plan = ForwardPlan(blocks=blocks, h=h, vd=vd, dtype=jnp.dtype(dtype), save_a=True,
+                     warpgroups=blocks.forward_warpgroups or 2, ping_pong=False,
+                     stages=blocks.stages, tables=False,
+                     bounded=blocks.bounded_softmax and jnp.dtype(dtype) == jnp.bfloat16)
+  if blocks.forward_warpgroups is None and fits(warpgroups=3):
+    plan = dataclasses.replace(plan, warpgroups=3)
+  plan = dataclasses.replace(plan, save_a=save_a,
+                             ping_pong=blocks.ping_pong and plan.warpgroups == 2)
+  if fits(stages=max(3, blocks.stages)):
+    plan = dataclasses.replace(plan, stages=max(3, blocks.stages))
+  return dataclasses.replace(plan, tables=fits(tables=True))
 
 
 def _scratch(p: ForwardPlan) -> list:
@@ -105,9 +103,8 @@ def _scratch(p: ForwardPlan) -> list:
       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
       # the ping-pong handshake (with three warpgroups unused, as in the tuned programs)
       plgpu.Barrier(num_arrivals=wgs) if wgs == 2 else plgpu.Barrier(num_barriers=wgs),
+      plgpu.SMEM((wgs, bq, h), dtype, transforms=st.tile_transforms(h)),
   ]
-  if not p.q_in_o:
-    scratch.append(plgpu.SMEM((wgs, bq, h), dtype, transforms=st.tile_transforms(h)))
   if p.blocks.row_sum_mma:
     scratch.append(plgpu.SMEM((wgs, bk, ROW_SUM_COLS), dtype,
                               transforms=st.tile_transforms(ROW_SUM_COLS)))
@@ -173,7 +170,6 @@ class _ForwardKernel:
     self.rot_per_head, self.trig_batched = rot_per_head, trig_batched
     self.bq, self.bk, self.wgs = plan.blocks.block_q, plan.blocks.block_kv, plan.warpgroups
     self.n_tiles = -(-t_len // (self.wgs * self.bq))
-    self.q_in_o, self.a_in_smem = plan.q_in_o, plan.a_in_smem
     # The interpreter runs each warpgroup as its own XLA:CPU execution, and the handshake
     # hangs where they do not all start at once (few cores); the GPU check covers ping-pong.
     self.ping_pong = plan.ping_pong and not st.interpreted()
@@ -193,19 +189,16 @@ class _ForwardKernel:
   def pope_fwd_kernel(self, q_ref, rot0_ref, rot1_ref, trig_ref, b_ref, v_ref, qpos_ref,
                       kpos_ref, tab_ref, sched_ref, *rest):
     """The kernel: splits the refs (in `_scratch`'s order) and forks the warpgroups."""
-    bnd_ref, *rest = rest if self.has_bounded else (None, *rest)
-    o_ref, lse_ref, *rest = rest
-    a_ref = None
-    if self.save_a:
-      a_ref, *rest = rest
-    a_smem = None
-    if self.a_in_smem:
-      a_smem, *rest = rest
+    rest = list(rest)
+    bnd_ref = rest.pop(0) if self.has_bounded else None
+    o_ref, lse_ref = rest.pop(0), rest.pop(0)
+    a_ref = rest.pop(0) if self.save_a else None
+    a_smem = rest.pop(0) if self.plan.a_in_smem else None
     o_smem, qpos_smem, lse_smem, rot_smem, *rest = rest
     n_trig = 2 if self.tables else 1
     trig_smem, rest = rest[:n_trig], rest[n_trig:]
-    (b_smem, v_smem, kpos_smem, q_bar, qpos_bar, ready, consumed, handshake_bar, *rest) = rest
-    q_smem = o_smem if self.q_in_o else rest.pop(0)
+    (b_smem, v_smem, kpos_smem, q_bar, qpos_bar, ready, consumed, handshake_bar, q_smem,
+     *rest) = rest
     ones_smem = rest.pop(0) if self.blocks.row_sum_mma else None
     self.refs = types.SimpleNamespace(
         q=q_ref, rot=(rot0_ref, rot1_ref), trig=trig_ref, qpos=qpos_ref, tab=tab_ref,
@@ -231,8 +224,7 @@ class _ForwardKernel:
     r = self.refs
     plgpu.set_max_registers(self.registers, action="increase")
     self.item_of, self.count = st.cta_items(r.sched)
-    if not self.q_in_o:
-      self._load_queries(self.item_of(0), wg)
+    self._load_queries(self.item_of(0), wg)
     if r.ones_smem is not None:  # P @ 1: the row sums of P (`BlockSizes.row_sum_mma`)
       r.ones_smem.at[wg][...] = plgpu.layout_cast(
           jnp.ones((self.bk, ROW_SUM_COLS), self.dtype), plgpu.Layout.WGMMA)
@@ -291,12 +283,10 @@ class _ForwardKernel:
     if r.a_smem is not None:  # (after the previous item's store of a has read it)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       r.a_smem.at[wg][...] = a
-    if r.a_smem is not None or not self.q_in_o:
-      # Makes a visible to TMA and wgmma, and orders every thread's reads of the query
-      # buffers before the next item's copies into them.
-      plgpu.commit_smem()
-    if not self.q_in_o:
-      pl.when(j + 1 < self.count)(lambda: self._load_queries(self.item_of(j + 1), wg))
+    # Makes a visible to TMA and wgmma, and orders every thread's reads of the query buffers
+    # before the next item's copies into them.
+    plgpu.commit_smem()
+    pl.when(j + 1 < self.count)(lambda: self._load_queries(self.item_of(j + 1), wg))
     if self.save_a and r.a_smem is not None:
       _when_live(live, lambda: plgpu.copy_smem_to_gmem(r.a_smem.at[wg],
                                                        r.a.at[batch, rows, head]))
@@ -320,9 +310,6 @@ class _ForwardKernel:
     if self.ping_pong:  # the start of a run of ping-pong items
       pl.when(~bounded_item & ((j == 0) | self.is_bounded(j - 1)))(
           lambda: pl.when(wg == 1)(self.handshake))
-    if self.q_in_o:  # The previous item's output store must have read the tile first.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      self._load_queries(item, wg)
     a, halves = self._map_queries(wg)
     plgpu.barrier_wait(r.qpos_bar.at[wg])
     qpos = st.row_vector(r.qpos_smem.at[wg], 0)

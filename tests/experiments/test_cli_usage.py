@@ -6,23 +6,11 @@ import json
 import pytest
 
 from experiments import (bench_llama, indirect_indexing, jsb, language_model, lpes_eval,
-                         lpes_generate, lpes_latency, lpes_search)
+                         lpes_generate, lpes_latency, lpes_search, moice_train)
 
 
 def _never(*args, **kwargs):
   raise AssertionError("work started before a usage error")
-
-
-@pytest.fixture
-def model(tmp_path, monkeypatch):
-  """A model file that exists; loading or building any model fails the test."""
-  path = tmp_path / "model.gguf"
-  path.write_bytes(b"")
-  for module, name in ((lpes_search, "load_checkpoint"), (lpes_eval, "load_checkpoint"),
-                       (lpes_generate, "load_pretrained"), (lpes_latency, "init_params"),
-                       (bench_llama, "init_params")):
-    monkeypatch.setattr(module, name, _never)
-  return ["--model", str(path)]
 
 
 @pytest.fixture
@@ -151,7 +139,7 @@ def test_every_flag_has_help_and_its_default_once(capsys, monkeypatch):
   real = common.make_parser
   monkeypatch.setattr(common, "make_parser", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
   for module in (indirect_indexing, jsb, language_model, lpes_eval, lpes_generate, lpes_latency,
-                 lpes_search, bench_llama):
+                 lpes_search, bench_llama, moice_train):
     name = module.__name__.split(".")[-1]
     with pytest.raises(SystemExit) as e:
       module.main(["--help"])
@@ -169,7 +157,8 @@ def test_every_flag_has_help_and_its_default_once(capsys, monkeypatch):
 def test_help_lists_the_presets(capsys):
   for module, presets in ((indirect_indexing, indirect_indexing.ii.PRESETS),
                           (jsb, jsb.task.PRESETS), (language_model, language_model.lm.PRESETS),
-                          (lpes_latency, lpes_latency.PRESETS)):
+                          (lpes_latency, lpes_latency.PRESETS),
+                          (moice_train, moice_train.PRESETS)):
     with pytest.raises(SystemExit):
       module.main(["--help"])
     epilog = capsys.readouterr().out.split("presets:\n")[1]

@@ -57,7 +57,6 @@ def _lowered_text(h, vd, n, kh, change, dtype=jnp.bfloat16, is_causal=True):
     (64, 64, 2, 2, {"bounded_softmax": True, "forward_warpgroups": 2}),
     (64, 64, 2, 2, {"bounded_softmax": True, "row_sum_mma": True}),
     (128, 128, 2, 1, {"bounded_softmax": True, "row_sum_mma": False}),
-    (64, 64, 2, 2, {"query_tables": False}),
     (64, 128, 2, 2, {}),
     (64, 64, 2, 2, {"rescale_threshold": 0.0}),
     (128, 128, 2, 1, {"rescale_threshold": None}),

@@ -20,7 +20,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import pope_attention as kernel
 from pallas_kernels import _streaming
-from pallas_kernels.pope_attention_bwd import cartesian_vjp, pope_attention_dkv
+from pallas_kernels.pope_attention_bwd import cartesian_vjp
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
 from pallas_kernels.shapes import CHECK_TOLERANCES, SHAPES, random_inputs
 from pallas_kernels.pope_attention_fwd import (TABLE_DTYPE, cartesian_halves,
@@ -143,7 +143,7 @@ def test_cartesian_halves_match_reference_map(head_dim, max_position):
 
 @pytest.mark.parametrize("head_dim", [32, 64])
 def test_cartesian_halves_from_tables_match_reference_map(head_dim):
-  # The forward's query map from float16 cos and sin tables of pos·θ (`BlockSizes.query_tables`)
+  # The forward's query map from float16 cos and sin tables of pos·θ (`ForwardPlan.tables`)
   # against PoPE Eq. 7-10 in float64 from the same float32 pos·θ: each table entry is within
   # 2**-12 of its value, so cos φ and sin φ by angle addition are within 2**-12·√2.
   ks = jax.random.split(jax.random.key(head_dim), 3)
@@ -446,7 +446,7 @@ def test_dk_dv_in_one_or_two_launches(head_dim, split_dkv):
 @pytest.mark.parametrize("head_dim, is_causal", [(64, True), (32, False)])
 def test_persistent_launch_over_tiles(head_dim, is_causal):
   # Three query and key tiles per head, two heads: 6 items per kernel. The interpreter runs
-  # one item per CTA (`_streaming.num_sms`, `ForwardPlan.q_in_o`), so this checks
+  # one item per CTA (`_streaming.num_sms`), so this checks
   # the item numbering and the schedule tables; several items per CTA, the query prefetch and
   # the ring of slots across items run only on the GPU (experiments.bench_attention --check).
   # (At H = 128, non-causal, this shape sometimes never finished in the interpreter on 2 cores,
@@ -496,7 +496,6 @@ def test_item_schedule_balances_causal_tiles(monkeypatch):
     (BlockSizes(block_q=128, block_kv=64, forward_warpgroups=2), True),
     (BlockSizes(block_kv=64, forward_warpgroups=2, row_sum_mma=True), True),
     (BlockSizes(block_kv=128, forward_warpgroups=2, row_sum_mma=True), False),
-    (BlockSizes(block_kv=64, forward_warpgroups=2, query_tables=False), True),
     (BlockSizes(block_kv=64, forward_warpgroups=3), True),
     (BlockSizes(block_kv=64, forward_warpgroups=3), False),
 ])
@@ -578,15 +577,6 @@ def test_rescale_threshold_forward_and_grads(threshold, q_scale, changes):
   _assert_close(got, classic)
 
 
-def test_dkv_outputs_validate():
-  x = jnp.zeros((1, 128, 1, 128), jnp.bfloat16)
-  row = jnp.zeros((1, 1, 128), jnp.float32)
-  args = (x, x, x[..., :64], x[..., :64], row, row, row[0], row[0], None, None)
-  for outputs in ((), ("dq",), ("dk", "dk"), ["dk", "db"]):
-    with pytest.raises(ValueError, match="outputs"):
-      pope_attention_dkv(*args, blocks=default_block_sizes(64), outputs=outputs)
-
-
 def test_block_sizes_validate():
   with pytest.raises(ValueError, match="block_kv"):
     BlockSizes(block_kv=96)
@@ -605,8 +595,7 @@ def test_block_sizes_validate():
 def test_forward_plan_fits_in_smem(monkeypatch):
   # Three forward stages where their buffers fit (Hopper's 227 KiB): not at H = 128 when V != H
   # and a is saved (a needs its own SMEM tile then), nor at H = 64 with V = 128, nor with three
-  # forward warpgroups at H = 32, V = 128. (The interpreter stages the query tiles in the
-  # output tiles', `ForwardPlan.q_in_o`.)
+  # forward warpgroups at H = 32, V = 128.
   monkeypatch.setattr(_streaming, "smem_limit", lambda: 227 * 1024)
   bf16, h64, h128 = jnp.bfloat16, default_block_sizes(64), default_block_sizes(128)
   h32_two = dataclasses.replace(default_block_sizes(32), forward_warpgroups=2)
@@ -621,11 +610,12 @@ def test_forward_plan_fits_in_smem(monkeypatch):
   assert stages(dataclasses.replace(h128, stages=4), 128, 128, False) == 4
   # The query tables where they fit beside those stages (never in place of one).
   tables = lambda blocks, h, vd, save_a: plan_forward(blocks, h, vd, bf16, save_a).tables
-  assert tables(h64, 64, 64, True)
+  assert tables(default_block_sizes(32), 32, 64, True)
   assert tables(default_block_sizes(32), 32, 128, True)
+  assert tables(h64, 64, 128, False)
+  assert not tables(h64, 64, 64, True)  # three warpgroups at three stages leave no room
   assert not tables(h64, 64, 128, True)
-  assert not tables(dataclasses.replace(h64, query_tables=False), 64, 64, True)
-  assert not tables(h128, 128, 128, False)  # off by default there
+  assert not tables(h128, 128, 128, False)
   q = jnp.zeros((1, 128, 1, 128), bf16)
   with plgpu.force_gpu_interpret_mode(), pytest.raises(ValueError, match="forward.*stages"):
     kernel_attention(q, q, q, block_sizes=dataclasses.replace(h128, stages=4))
@@ -681,8 +671,6 @@ def test_block_size_defaults_and_types():
     BlockSizes(row_sum_mma=1)
   with pytest.raises(TypeError, match="bounded_softmax"):
     BlockSizes(bounded_softmax=1)
-  with pytest.raises(TypeError, match="query_tables"):
-    BlockSizes(query_tables=1)
   with pytest.raises(TypeError, match="forward_warpgroups"):
     BlockSizes(forward_warpgroups=3.0)
 

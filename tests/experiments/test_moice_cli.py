@@ -1,0 +1,87 @@
+"""The MoICE command lines: moice_train's smoke preset end to end (with resume), and usage errors
+of moice_train and `lpes_eval --method moice` before any model loads."""
+
+import json
+import shutil
+
+import pytest
+
+from experiments import lpes_eval, moice_train
+from lpes_jax import moice
+from lpes_jax.config import LlamaConfig
+
+
+@pytest.fixture(scope="module")
+def gguf():
+  from lpes_jax.assets import smollm2_gguf
+  return smollm2_gguf()
+
+
+def _usage_error(capsys, main, argv) -> str:
+  with pytest.raises(SystemExit) as e:
+    main(argv)
+  assert e.value.code == 2
+  return capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_smoke_training_writes_routers_and_resumes_to_the_same_history(gguf, tmp_path, capsys):
+  out = tmp_path / "run"
+  args = ["--model", gguf, "--preset", "smoke", "--out", str(out)]
+  moice_train.main(args)
+  record = json.loads((out / "results.json").read_text())
+  assert [h["step"] for h in record["history"]] == [1, 2]
+  assert record["moice"]["bases"][0] == 100000.0 and record["moice"]["top_k"] == 7
+  mcfg, meta = moice.load_moice_config(out)
+  assert (meta["num_layers"], meta["head_dim"], mcfg.num_experts) == (2, 16, 7)
+  for name in ("results.md", "loss.png", "history.json"):
+    assert (out / name).is_file()
+  # Lose the last checkpoint: --resume trains step 2 again, to the same loss.
+  shutil.rmtree(out / "checkpoints" / "2")
+  moice_train.main(args + ["--resume"])
+  assert "resumed at step 1" in capsys.readouterr().out
+  again = json.loads((out / "results.json").read_text())
+  assert again["history"] == record["history"]
+  # Without --resume the folder is refused.
+  err = _usage_error(capsys, moice_train.main, args)
+  assert "already holds checkpoints" in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--micro-batch", "3"], "batch_size (128) must be a multiple of micro_batch (3)"),
+    (["--steps", "0"], "--steps: expected a positive integer, got '0'"),
+    (["--learning-rate", "-1"], "--learning-rate: expected a positive finite number"),
+    (["--task", "mdqa", "--mdqa-file", __file__], "--task: MoICE trains on KV retrieval"),
+    (["--preset", "big"], "--preset: invalid choice: 'big'"),
+])
+def test_moice_train_flags(model, capsys, tmp_path, flags, message):
+  err = _usage_error(capsys, moice_train.main, model + ["--out", str(tmp_path / "o")] + flags)
+  assert message in err
+  assert not (tmp_path / "o").exists()
+
+
+def test_moice_eval_needs_a_routers_folder(model, capsys, tmp_path):
+  out = ["--out", str(tmp_path / "o")]
+  err = _usage_error(capsys, lpes_eval.main, model + ["--method", "moice"] + out)
+  assert "--method moice needs --moice-routers" in err
+  err = _usage_error(capsys, lpes_eval.main, model + ["--method", "moice", "--moice-routers",
+                                                      str(tmp_path / "none")] + out)
+  assert "--moice-routers" in err and "is not a folder" in err
+  err = _usage_error(capsys, lpes_eval.main, model + ["--method", "moice", "--moice-routers",
+                                                      str(tmp_path)] + out)
+  assert "--moice-routers" in err and "holds no trained routers" in err
+
+
+def test_moice_eval_refuses_routers_of_another_model(capsys, tmp_path, monkeypatch):
+  import jax
+  from tests.lpes_jax.conftest import FIXTURES
+  three_layers = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=3,
+                             num_heads=4, num_kv_heads=2, head_dim=16)
+  mcfg = moice.paper_config(500.0)
+  moice.save_routers(tmp_path / "r", moice.init_routers(jax.random.key(0), three_layers, mcfg),
+                     mcfg, three_layers)
+  monkeypatch.setattr(lpes_eval, "load_tokenizer", lambda path: None)
+  err = _usage_error(capsys, lpes_eval.main, [
+      "--model", f"{FIXTURES}/llama_gqa_tied_linear", "--method", "moice", "--moice-routers",
+      str(tmp_path / "r"), "--num-pairs", "2", "--out", str(tmp_path / "o")])
+  assert "--moice-routers" in err and "2 layers" in err
