@@ -2,14 +2,16 @@
 global-scale searches over several search seeds, evaluated with base and Ms-PoE on held-out seeds
 at the searched difficulty and at a transfer difficulty, with 95 % intervals.
 
-    python -m experiments.lpes_ablations --preset h200 [--model PATH] [--out DIR] [--resume]
+    python -m experiments.lpes_ablations --preset h200 [--model PATH] [--out DIR] [--resume] \\
+        [--moice-routers DIR]
 
 One process loads the model once and compiles the search fitness once. Every search and every
 held-out evaluation is saved atomically under --out and skipped by --resume. Writes results.json
 (config, versions, device, budgets, accuracies with intervals, per-example scores as 0/1 strings),
 results.md (tables and whether Bézier beats linear interpolation), accuracy.png (held-out accuracy
 per gold position with interval bars) and seeds_pairs<N>.png (the search seeds' scale curves and
-their held-out accuracy, mean ± sd) per difficulty.
+their held-out accuracy, mean ± sd) per difficulty. With --moice-routers (the --out of
+`experiments.moice_train` for the same model) MoICE is one more baseline, in every table and plot.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import time
 import jax
 
 from experiments import common
-from lpes_jax import ablation, bezier, report, search
+from lpes_jax import ablation, bezier, moice, report, search
 from lpes_jax.tasks.task import TaskConfig
 from pope_jax import atomic
 from pope_jax.config import config_diff
@@ -67,7 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help=f"comma-separated searched methods, of {', '.join(ablation.SEARCHED)}")
   p.add_argument("--baselines", default="base,ms_poe",
                  help=f"comma-separated methods of lpes_eval evaluated by name, base included, "
-                      f"of {', '.join(ablation.baseline_names())}")
+                      f"of {', '.join(ablation.baseline_names())} (moice: see --moice-routers)")
+  p.add_argument("--moice-routers", default=None,
+                 help="folder of trained MoICE routers, the --out of experiments.moice_train "
+                      "for this model: adds moice to --baselines (default: none, no MoICE)")
   p.add_argument("--search-seeds", type=ints, default=(0, 1, 2),
                  help="comma-separated search seeds (search set and GA)")
   p.add_argument("--heldout-seeds", type=ints, default=(3, 4),
@@ -122,6 +127,14 @@ def check_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> ablatio
   baselines = _names(p, "--baselines", args.baselines, ablation.baseline_names())
   if "base" not in baselines:
     p.error("--baselines must include base (the gains are over base)")
+  if args.moice_routers:
+    try:  # A missing or foreign folder fails here, before the slow model load.
+      moice.load_moice_config(args.moice_routers)
+    except (OSError, ValueError) as e:
+      p.error(f"--moice-routers: {e}")
+    baselines = tuple(dict.fromkeys(baselines + ("moice",)))
+  elif "moice" in baselines:
+    p.error("--baselines moice needs --moice-routers DIR (the --out of experiments.moice_train)")
   if args.num_pairs < 3:
     p.error(f"--num-pairs {args.num_pairs}: the search needs begin, middle and end, so >= 3")
   parents = args.population // 2
@@ -146,7 +159,7 @@ def check_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> ablatio
         search_seeds=args.search_seeds, heldout_seeds=args.heldout_seeds, search=scfg,
         grid=args.grid, search_examples=args.search_examples, example_batch=args.example_batch,
         num_examples=args.num_examples, batch_size=args.batch_size,
-        max_new_tokens=args.max_new_tokens)
+        max_new_tokens=args.max_new_tokens, moice_routers=args.moice_routers)
   except ValueError as e:
     p.error(f"{e} (flags --methods, --baselines, --search-seeds, --heldout-seeds, "
             f"--transfer-pairs, --grid, --search-examples, ...)")
@@ -169,8 +182,17 @@ def main(argv=None) -> None:
       if diff:
         p.error(f"--resume: {saved_path} was written with other settings (differs in "
                 f"{', '.join(diff)})")
+    t0 = time.perf_counter()
+    model = load_model(args)
+    print(f"[{time.perf_counter() - t0:7.1f} s] model loaded ({model[0].num_layers} layers)",
+          flush=True)
+    if cfg.moice_routers:
+      try:  # Routers of another model: a usage error before the run folder is claimed.
+        moice.load_routers(cfg.moice_routers, model[0])
+      except moice.RoutersMismatch as e:
+        p.error(f"--moice-routers: {e}")
     atomic.write_json(saved_path, settings)
-    run_and_report(args, cfg, "python -m experiments.lpes_ablations " + shlex.join(
+    run_and_report(args, cfg, model, t0, "python -m experiments.lpes_ablations " + shlex.join(
         sys.argv[1:] if argv is None else argv))
 
 
@@ -192,13 +214,13 @@ def load_model(args: argparse.Namespace):
   return config, params, load_tokenizer(path, model_vocab_size=config.vocab_size)
 
 
-def run_and_report(args: argparse.Namespace, cfg: ablation.AblationConfig, command: str) -> None:
-  """Loads the model, runs the ablation in the (locked) --out and writes its reports."""
+def run_and_report(args: argparse.Namespace, cfg: ablation.AblationConfig, model: tuple,
+                   t0: float, command: str) -> None:
+  """Runs the ablation with the loaded (config, params, tokenizer) in the (locked) --out and
+  writes its reports; t0: the `time.perf_counter()` the wall time counts from."""
   import flax
-  t0 = time.perf_counter()
   log = lambda line: print(line, flush=True)
-  config, params, tok = load_model(args)
-  log(f"[{time.perf_counter() - t0:7.1f} s] model loaded ({config.num_layers} layers)")
+  config, params, tok = model
   record = ablation.run_ablation(cfg, config, params, tok, args.out, resume=args.resume, log=log,
                                  progress=not args.no_progress)
   record.update({

@@ -9,7 +9,8 @@ scale) one `lpes_jax.search` run with the same `SearchConfig`; every search set 
 shape so the fitness compiles once. Then, at the searched number of pairs and at
 `transfer_pairs`, on each held-out seed: all searched scales together in one vmapped greedy
 decoding (`evaluate.evaluate_multipliers`), and each named baseline through
-`evaluate.method_generator` (any of `evaluate.METHODS` but "lpes"). Greedy, LitM metric.
+`evaluate.method_generator` (any of `evaluate.METHODS` but "lpes"; "moice" with the trained
+routers of `moice_routers`). Greedy, LitM metric.
 
 Stages are saved atomically under the run folder and skipped once done:
   search/<method>/seed<s>/results.json        (a search resumes from its last generation)
@@ -27,7 +28,7 @@ from typing import Callable
 
 import numpy as np
 
-from lpes_jax import bezier, evaluate, fitness, genomes, intervals, search
+from lpes_jax import bezier, evaluate, fitness, genomes, intervals, moice, search
 from lpes_jax.tasks import position_indices
 from lpes_jax.tasks.task import TaskConfig, encode_prompt, task_examples
 from pope_jax import atomic
@@ -37,7 +38,7 @@ SEARCHED = {"bezier": ("bezier", 4), "linear": ("bezier", 2), "free": ("free", 4
             "global": ("global", 4)}
 LABELS = {"bezier": "LPES (Bézier, C = 4)", "linear": "linear (C = 2)", "free": "free per-layer",
           "global": "global scale (best PI)", "base": "base", "ms_poe": "Ms-PoE",
-          "pi": "PI", "buckets": "Attention Buckets"}
+          "pi": "PI", "buckets": "Attention Buckets", "moice": "MoICE"}
 
 
 def baseline_names() -> tuple[str, ...]:
@@ -54,7 +55,7 @@ class AblationConfig:
     transfer_pairs: KV pairs of the difficulty that is not searched on (0: none).
     methods: searched methods, keys of SEARCHED.
     baselines: named methods of `lpes_jax.evaluate` (see `baseline_names`); "base" is needed
-      for the gains.
+      for the gains, "moice" exactly when moice_routers is given.
     search_seeds, heldout_seeds: disjoint (a held-out seed equal to a search seed would score
       the search's own examples).
     search: the GA settings shared by every search (its seed is replaced per search seed).
@@ -64,6 +65,8 @@ class AblationConfig:
     num_examples: held-out examples per gold position and held-out seed.
     batch_size: held-out rows per generation call (each of M multiplier sets decodes them).
     max_new_tokens: tokens generated per held-out example.
+    moice_routers: folder of trained MoICE routers (`experiments.moice_train`) for the "moice"
+      baseline; None: no MoICE.
   """
   task: TaskConfig
   transfer_pairs: int = 10
@@ -78,6 +81,7 @@ class AblationConfig:
   num_examples: int = 300
   batch_size: int = 100
   max_new_tokens: int = 8
+  moice_routers: str | None = None
 
   def __post_init__(self):
     for name in ("methods", "baselines", "search_seeds", "heldout_seeds", "grid"):
@@ -90,6 +94,9 @@ class AblationConfig:
     if bad or "base" not in self.baselines:
       raise ValueError(f"AblationConfig.baselines must include 'base' and be some of "
                        f"{baseline_names()}, got {self.baselines}")
+    if ("moice" in self.baselines) != bool(self.moice_routers):
+      raise ValueError(f"AblationConfig: the 'moice' baseline and moice_routers go together, got "
+                       f"baselines {self.baselines} and moice_routers {self.moice_routers!r}")
     for name in ("methods", "baselines", "search_seeds", "heldout_seeds"):
       values = getattr(self, name)
       if len(set(values)) != len(values) or not values:
@@ -246,7 +253,7 @@ def run_evaluations(cfg: AblationConfig, config, params, tok, workdir: str, sear
     for h in cfg.heldout_seeds:
       ev = evaluate.EvalConfig(method="base", num_examples=cfg.num_examples, seed=h,
                                batch_size=cfg.batch_size, max_new_tokens=cfg.max_new_tokens,
-                               prompt_len=length)
+                               prompt_len=length, moice_routers=cfg.moice_routers)
       got = out.setdefault(str(pairs), {}).setdefault(str(h), {})
       for group in ("searched",) + cfg.baselines:
         path = _eval_path(workdir, pairs, h, group)
@@ -336,7 +343,14 @@ def budgets(cfg: AblationConfig, searches: dict) -> dict:
 def run_ablation(cfg: AblationConfig, config, params, tok, workdir: str, *, resume: bool,
                  log=print, progress: bool = False) -> dict:
   """Searches, evaluations and the summary (see the module docstring); returns the record that
-  the caller writes out with `summarise`'s numbers, budgets, scales and per-example scores."""
+  the caller writes out with `summarise`'s numbers, budgets, scales and per-example scores.
+
+  Raises:
+    FileNotFoundError, ValueError, moice.RoutersMismatch: cfg.moice_routers that do not load or
+      do not fit the model (checked before any search: `moice.load_routers`).
+  """
+  if cfg.moice_routers:
+    moice.load_routers(cfg.moice_routers, config)
   t0 = time.perf_counter()
   searches = run_searches(cfg, config, params, tok, workdir, resume=resume, log=log,
                           progress=progress)

@@ -132,6 +132,8 @@ def ablation_results_md(record: dict) -> str:
       f"- Held out: seeds {', '.join(map(str, c['heldout_seeds']))}, {c['num_examples']} examples "
       f"per gold position and seed, greedy ({c['max_new_tokens']} new tokens), LitM metric "
       f"(value as a substring of the output).",
+      *([f"- MoICE: the routers in `{c['moice_routers']}` (experiments.moice_train), decoded "
+         f"on the same held-out examples as the baselines."] if c.get("moice_routers") else []),
       "- Intervals: normal 95 % intervals over held-out examples (mean ± 1.96 sd/√n). Searched "
       "methods are pooled over search seeds by scoring each example with its mean over the seeds; "
       "gains are paired over the same examples (per-example differences). Middle = the gold "

@@ -1,6 +1,7 @@
-"""The ablation CLI on the smoke preset: outputs, resume after a kill, usage errors first; the
-vmapped multiplier-set decoding against the named methods."""
+"""The ablation CLI on the smoke preset: outputs, resume after a kill, MoICE as a baseline,
+usage errors first; the vmapped multiplier-set decoding against the named methods."""
 
+import dataclasses
 import json
 
 import jax
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from experiments import lpes_ablations
-from lpes_jax import ablation, baselines, evaluate, search
+from lpes_jax import ablation, baselines, evaluate, moice, search
 from lpes_jax.config import LlamaConfig
 from lpes_jax.llama import init_params
 from lpes_jax.tasks.task import TaskConfig
@@ -84,17 +85,52 @@ def test_smoke_run_killed_then_resumed_skips_finished_stages(tmp_path, monkeypat
     (["--grid", "1.5,2.0"], "no value 1.0"),
     (["--population", "1"], "num_parents must be >= 1"),
     (["--search-seeds", "a"], "comma-separated non-negative integers"),
+    (["--baselines", "base,moice"], "--baselines moice needs --moice-routers"),
+    (["--moice-routers", "no/such/folder"], "--moice-routers: no/such/folder is not a folder"),
 ])
-def test_bad_flags_are_usage_errors_before_the_model_loads(tmp_path, monkeypatch, capsys, flags,
+def test_bad_flags_are_usage_errors_before_the_model_loads(model, tmp_path, capsys, flags,
                                                            message):
-  def never(*args, **kwargs):
-    raise AssertionError("the model was loaded before a usage error")
-  monkeypatch.setattr(lpes_ablations, "load_model", never)
   with pytest.raises(SystemExit) as e:
-    lpes_ablations.main(["--preset", "smoke", "--out", str(tmp_path)] + flags)
+    lpes_ablations.main(model + ["--preset", "smoke", "--out", str(tmp_path)] + flags)
   assert e.value.code == 2
   assert message in capsys.readouterr().err
   assert not (tmp_path / "config.json").exists()
+
+
+def _smoke_routers(path, num_layers: int):
+  """Random MoICE routers for the smoke model's shape with `num_layers` layers, saved to path."""
+  config = dataclasses.replace(LlamaConfig(**lpes_ablations.SMOKE_MODEL), num_layers=num_layers)
+  mcfg = moice.paper_config(config.rope_theta)
+  moice.save_routers(path, moice.init_routers(jax.random.key(0), config, mcfg), mcfg, config)
+  return str(path)
+
+
+def test_moice_routers_add_moice_beside_the_baselines(tmp_path):
+  out = tmp_path / "run"
+  routers = _smoke_routers(tmp_path / "routers", 4)
+  lpes_ablations.main(["--preset", "smoke", "--out", str(out), "--methods", "bezier",
+                       "--search-seeds", "0", "--heldout-seeds", "3", "--transfer-pairs", "0",
+                       "--no-progress", "--moice-routers", routers])
+  record = json.loads((out / "results.json").read_text())
+  assert record["config"]["baselines"] == ["base", "ms_poe", "moice"]
+  moice_row = record["summary"]["3"]["methods"]["moice"]
+  assert set(moice_row["accuracy"]) == {"0", "1", "2"} and "lo" in moice_row["middle_gain"]
+  bits = record["scores"]["3"]["3"]["moice"]
+  assert set(bits) == {"0", "1", "2"} and all(len(b) == 2 for b in bits.values())
+  assert (out / "eval/pairs3/seed3/moice.json").is_file()
+  md = (out / "results.md").read_text()
+  assert "| MoICE |" in md and f"the routers in `{routers}`" in md
+
+
+def test_moice_routers_of_another_model_are_a_usage_error_before_the_run(tmp_path, capsys):
+  routers = _smoke_routers(tmp_path / "routers", 3)
+  with pytest.raises(SystemExit) as e:
+    lpes_ablations.main(["--preset", "smoke", "--out", str(tmp_path / "run"),
+                         "--moice-routers", routers])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "--moice-routers" in err and "4 layers" in err
+  assert not (tmp_path / "run" / lpes_ablations.CONFIG_FILE).exists()
 
 
 def test_multiplier_sets_decode_as_the_named_methods():
