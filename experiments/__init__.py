@@ -33,6 +33,8 @@ LPES (`lpes_jax`):
   lpes_search          — Bézier-constrained genetic search of per-layer RoPE scales.
   lpes_eval            — lost-in-the-middle accuracy per gold position (base, PI, Ms-PoE,
                          Attention Buckets, LPES, MoICE).
+  lpes_ablations       — Bézier / linear / free / global searches over seeds under one budget,
+                         held out with base and Ms-PoE at two difficulties, 95 % intervals.
   moice_train          — trains the MoICE routers of a frozen model (for lpes_eval --method moice).
   lpes_latency         — generation latency of those methods on one model.
   bench_llama          — Llama prefill and decode throughput beside PyTorch + transformers.

@@ -1,7 +1,11 @@
 """LPES search: Bézier-constrained genetic search of per-layer RoPE scales on a Llama model.
 
     python -m experiments.lpes_search --model PATH --task kv --num-pairs 10 --key-length 4 \\
-        --value-length 4 [--num-examples 200] [--mode teacher_forced|greedy] [--resume]
+        --value-length 4 [--num-examples 200] [--mode teacher_forced|greedy] \\
+        [--genome bezier|free|global] [--resume]
+
+`--genome` picks the genome kind (`lpes_jax.genomes`): Bézier control points (LPES), one free
+scale per layer, or one global scale searched over a grid of as many values as the GA's budget.
 
 Search examples (seed `--seed`, default 0; evaluation uses 1) are split over the begin/middle/end
 gold positions. The fitness target is the model's continuation `<answer prefix><value>` (KV, default
@@ -22,7 +26,7 @@ import jax
 import numpy as np
 
 from experiments import common
-from lpes_jax import bezier, evaluate, fitness, report, search
+from lpes_jax import bezier, evaluate, fitness, genomes, report, search
 from lpes_jax.checkpoints import load_checkpoint
 from lpes_jax.tasks.task import ANSWER_PREFIX, add_task_flags, task_config
 from lpes_jax.tokenizer import load_tokenizer
@@ -47,7 +51,7 @@ def search_config(args: argparse.Namespace) -> search.SearchConfig:
 # Flags that do not change a candidate's fitness (where to write, how to batch, the GA settings,
 # which the search state records on its own).
 _NOT_FITNESS = ("out", "resume", "example_batch", "population", "generations", "parents",
-                "mutations", "crossovers", "control_points", "grid", "weights")
+                "mutations", "crossovers", "genome", "control_points", "grid", "weights")
 
 
 def fitness_id(args: argparse.Namespace) -> dict:
@@ -76,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="children by mutation (default: half of the rest)")
   p.add_argument("--crossovers", type=common.nonnegative_int, default=None,
                  help="children by crossover (default: what remains of the population)")
+  p.add_argument("--genome", choices=genomes.GENOMES, default="bezier",
+                 help="bezier: control points of a curve (LPES); free: one scale per layer; "
+                      "global: one scale for all layers, every value of a grid as fine as the "
+                      "budget")
   p.add_argument("--control-points", type=common.positive_int, default=4,
                  help="Bézier control points of the scale curve, at least 2 (4: cubic)")
   p.add_argument("--grid", type=common.comma_list(float, "numbers"),
@@ -136,10 +144,10 @@ def search_and_report(p: argparse.ArgumentParser, args: argparse.Namespace,
   batch = evaluate.search_batch(task_config(args), tok, cfg, num_examples=args.num_examples,
                                 seed=args.seed, answer_prefix=args.answer_prefix)
   try:
-    bez = bezier.BezierConfig(num_layers=cfg.num_layers, num_control_points=args.control_points,
-                              grid=args.grid)
+    space = genomes.make_space(args.genome, cfg.num_layers, grid=args.grid,
+                               control_points=args.control_points, budget=scfg.num_candidates)
   except ValueError as e:
-    p.error(f"--control-points {args.control_points}: {e}")
+    p.error(f"--genome {args.genome}, --control-points {args.control_points}: {e}")
   forward, greedy = fitness.llama_fitness_fns(cfg)
   population_fitness = fitness.make_fitness_fn(params, batch, mode=args.mode, forward=forward,
                                                greedy=greedy, example_batch=args.example_batch)
@@ -153,7 +161,7 @@ def search_and_report(p: argparse.ArgumentParser, args: argparse.Namespace,
     return out
 
   t0 = time.perf_counter()
-  result = search.run_search(timed, bez, scfg, args.out, resume=args.resume,
+  result = search.run_search(timed, space, scfg, args.out, resume=args.resume,
                              fitness_id=fitness_id(args), extra={
       "args": vars(args), "num_devices": jax.device_count(),
       "device": str(jax.devices()[0].device_kind)}, lock=False)

@@ -76,6 +76,8 @@ class EvalConfig:
     pi_scale: PI's global scale s.
     ms_poe_official: Ms-PoE indexes its ratio table with the argsort (released code).
     buckets_absolute: Attention Buckets uses the RAG bases as is.
+    prompt_len: pad every prompt to this many tokens (one compiled shape for several positions
+      and tasks); default: the longest prompt of each position rounded up to 32.
     moice_routers: folder of trained MoICE routers (method "moice"; `experiments.moice_train`).
   """
   method: str = "base"
@@ -88,6 +90,7 @@ class EvalConfig:
   pi_scale: float = 1.5
   ms_poe_official: bool = False
   buckets_absolute: bool = False
+  prompt_len: int | None = None
   moice_routers: str | None = None
 
   def __post_init__(self):
@@ -146,56 +149,126 @@ def method_generator(config: LlamaConfig, params: Any, ev: EvalConfig) -> Genera
   return lambda t, m, n: fn(params, t, m, n)
 
 
+def held_out_batches(tok, config: LlamaConfig, task: TaskConfig, gold: int, ev: EvalConfig):
+  """The held-out examples at one gold position as fixed-shape batches.
+
+  Yields:
+    (examples (at most ev.batch_size), tokens [ev.batch_size, T] int32 left-padded, mask [.., T]
+    bool); T is ev.prompt_len or the longest prompt rounded up to 32 (one compiled shape per
+    position), the last batch filled with copies of its first row (not scored).
+
+  Raises:
+    ValueError: a prompt plus ev.max_new_tokens longer than the model's context, or longer than
+      ev.prompt_len.
+  """
+  exs = task_examples(task, gold, ev.num_examples, ev.seed)
+  ids = [encode_prompt(tok, e.prompt, task.chat) for e in exs]
+  longest = max(map(len, ids))
+  if longest + ev.max_new_tokens > config.max_position_embeddings:
+    raise ValueError(f"prompt of {longest} tokens + {ev.max_new_tokens} new tokens exceeds the "
+                     f"model's context of {config.max_position_embeddings}: use fewer pairs")
+  length = -(-longest // 32) * 32 if ev.prompt_len is None else ev.prompt_len
+  if length < longest:
+    raise ValueError(f"EvalConfig.prompt_len {length} is shorter than a prompt of {longest} "
+                     f"tokens")
+  for b in range(0, len(ids), ev.batch_size):
+    chunk = ids[b:b + ev.batch_size]
+    chunk = chunk + [chunk[0]] * (ev.batch_size - len(chunk))
+    t, m = generation.left_pad(chunk, length, config.pad_token_id or 0)
+    yield exs[b:b + ev.batch_size], t, m
+
+
+def score_outputs(tok, config: LlamaConfig, task: TaskConfig, examples, out) -> list[tuple]:
+  """(LitM score, text) of each example's generated tokens [>= len(examples), G], cut at EOS."""
+  eos = set(config.eos_token_ids)
+  scored = []
+  for e, o in zip(examples, np.asarray(out)):
+    o = list(o)
+    stop = next((i for i, x in enumerate(o) if x in eos), len(o))
+    text = tok.decode(o[:stop])
+    scored.append((score(task, text, e), text))
+  return scored
+
+
 def evaluate_positions(gen: Generator, tok, config: LlamaConfig, task: TaskConfig,
                        ev: EvalConfig, *, log: Callable[[str], None] = print) -> dict:
   """Accuracy per gold position of one method.
 
   Returns:
-    A JSON-able record: "accuracy" {gold: mean score}, "positions", "num_items", "samples" (the
-    first three outputs per position), timing ("seconds_per_batch_median" over all batches but
-    the first, "first_batch_seconds_with_compile") and the settings.
+    A JSON-able record: "accuracy" {gold: mean score}, "scores" {gold: per-example scores},
+    "positions", "num_items", "samples" (the first three outputs per position), timing
+    ("seconds_per_batch_median" over all batches but the first,
+    "first_batch_seconds_with_compile") and the settings.
 
   Raises:
     ValueError: a prompt plus max_new_tokens longer than the model's context.
   """
   n_items = num_items(task)
   positions = list(ev.positions) if ev.positions else position_indices(n_items, 5)
-  pad_id = config.pad_token_id or 0
-  eos = set(config.eos_token_ids)
-  acc, timing, samples = {}, [], {}
+  acc, timing, samples, all_scores = {}, [], {}, {}
   for gold in positions:
-    exs = task_examples(task, gold, ev.num_examples, ev.seed)
-    ids = [encode_prompt(tok, e.prompt, task.chat) for e in exs]
-    longest = max(map(len, ids))
-    if longest + ev.max_new_tokens > config.max_position_embeddings:
-      raise ValueError(f"prompt of {longest} tokens + {ev.max_new_tokens} new tokens exceeds the "
-                       f"model's context of {config.max_position_embeddings}: use fewer pairs")
-    length = -(-longest // 32) * 32                      # one compiled shape per position
     scores = []
-    for b in range(0, len(ids), ev.batch_size):
-      chunk = ids[b:b + ev.batch_size]
-      chunk = chunk + [chunk[0]] * (ev.batch_size - len(chunk))            # fixed batch shape
-      t, m = generation.left_pad(chunk, length, pad_id)
+    for b, (exs, t, m) in enumerate(held_out_batches(tok, config, task, gold, ev)):
       t0 = time.perf_counter()
       out = np.asarray(jax.block_until_ready(gen(t, m, ev.max_new_tokens)))
-      timing.append({"gold": gold, "batch": b, "seconds": time.perf_counter() - t0,
-                     "prompt_len": length})
-      for e, o in zip(exs[b:b + ev.batch_size], out):
-        o = list(o)
-        stop = next((i for i, x in enumerate(o) if x in eos), len(o))
-        text = tok.decode(o[:stop])
-        scores.append(score(task, text, e))
+      timing.append({"gold": gold, "batch": b * ev.batch_size,
+                     "seconds": time.perf_counter() - t0, "prompt_len": t.shape[1]})
+      for sc, text in score_outputs(tok, config, task, exs, out):
+        scores.append(sc)
         if len(samples.setdefault(str(gold), [])) < 3:
           samples[str(gold)].append(text)
     acc[str(gold)] = float(np.mean(scores))
+    all_scores[str(gold)] = scores
     log(f"  {ev.method:8s} gold {gold:4d}: {acc[str(gold)]:.3f}  ({len(scores)} examples)")
   steady = [x["seconds"] for x in timing[1:]] or [timing[0]["seconds"]]
   return {
-      "method": ev.method, "task": task.task, "accuracy": acc,
+      "method": ev.method, "task": task.task, "accuracy": acc, "scores": all_scores,
       "num_examples": ev.num_examples, "positions": positions, "num_items": n_items,
       "samples": samples, "seconds_per_batch_median": float(np.median(steady)),
       "batch_size": ev.batch_size, "first_batch_seconds_with_compile": timing[0]["seconds"],
   }
+
+
+def multipliers_generator(config: LlamaConfig, params: Any):
+  """(multipliers [M, L], tokens [B, T], mask [B, T], G) → greedy tokens [M, B, G] int32: M
+  multiplier sets decoded in one jitted call (`jax.vmap` over the sets)."""
+  greedy = functools.partial(generate.greedy_tokens, config)
+  fn = jax.jit(jax.vmap(lambda mult, t, m, n: greedy(params, t, m, mult, n),
+                        in_axes=(0, None, None, None)), static_argnums=3)
+  return lambda mults, t, m, n: fn(jnp.asarray(mults, jnp.float32), t, m, n)
+
+
+def evaluate_multipliers(gen, tok, config: LlamaConfig, task: TaskConfig, ev: EvalConfig,
+                         multipliers, *, log: Callable[[str], None] = print
+                         ) -> dict[str, np.ndarray]:
+  """Per-example LitM scores of M fixed per-layer multiplier sets (LPES scales, PI, base = 1),
+  all decoded together: each batch is one call of `gen` (`multipliers_generator`); `ev.method`
+  is unused.
+
+  Args:
+    multipliers: [M, L] float frequency multipliers 1/s.
+
+  Returns:
+    {gold: [M, ev.num_examples] float64 scores} for each gold position.
+
+  Raises:
+    ValueError: multipliers not [M, L] for the model's L; see `held_out_batches`.
+  """
+  mults = np.asarray(multipliers, np.float32)
+  if mults.ndim != 2 or mults.shape[1] != config.num_layers:
+    raise ValueError(f"multipliers must have shape [M, {config.num_layers}], got {mults.shape}")
+  positions = list(ev.positions) if ev.positions else position_indices(num_items(task), 5)
+  out = {}
+  for gold in positions:
+    rows = [[] for _ in mults]
+    for exs, t, m in held_out_batches(tok, config, task, gold, ev):
+      tokens = np.asarray(gen(mults, t, m, ev.max_new_tokens))                # [M, B, G]
+      for row, toks in zip(rows, tokens):
+        row.extend(sc for sc, _ in score_outputs(tok, config, task, exs, toks))
+    out[str(gold)] = np.asarray(rows, np.float64)
+    log(f"  {len(mults)} multiplier sets, gold {gold:4d}: mean accuracy "
+        f"{out[str(gold)].mean(1).round(3).tolist()}")
+  return out
 
 
 def plot_positions(records: list[dict], path: str) -> None:

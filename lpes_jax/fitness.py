@@ -1,6 +1,7 @@
 """LPES fitness: search examples as token arrays, scored for a whole population in one call.
 
-The fitness of a population is one jitted call (`make_fitness_fn`): `jax.vmap` over the
+The fitness of a population is one jitted call (`make_fitness_fn`; `fitness_fn_factory` shares
+that program between batches of one shape): `jax.vmap` over the
 candidates' multipliers, the candidate axis sharded over all local devices (a 1-D `Mesh` named
 "candidates"), examples batched within a device and looped with `lax.map`. Two modes:
   * "teacher_forced": one forward pass over prompt + gold answer tokens; an example counts iff the
@@ -155,10 +156,18 @@ def _chunks(x: np.ndarray, size: int) -> np.ndarray:
   return x.reshape(n, size, *x.shape[1:])
 
 
-def make_fitness_fn(params, batch: FitnessBatch, *, mode: str = "teacher_forced",
-                    forward: ForwardFn | None = None, greedy: GreedyFn | None = None,
-                    example_batch: int = 8, mesh: Mesh | None = None):
-  """A function multipliers [P, L] (or [P, L, N]) → subset accuracies [P, S] (numpy float64).
+def make_fitness_fn(params, batch: FitnessBatch, **kwargs):
+  """A function multipliers [P, L] (or [P, L, N]) → subset accuracies [P, S] (numpy float64) on
+  `batch`: `fitness_fn_factory(params, **kwargs)(batch)` (see there for the arguments)."""
+  return fitness_fn_factory(params, **kwargs)(batch)
+
+
+def fitness_fn_factory(params, *, mode: str = "teacher_forced", forward: ForwardFn | None = None,
+                       greedy: GreedyFn | None = None, example_batch: int = 8,
+                       mesh: Mesh | None = None):
+  """batch → fitness function (multipliers [P, L] or [P, L, N] → subset accuracies [P, S] numpy
+  float64), all batches sharing one jitted program: batches of one shape (e.g. the search sets
+  of several seeds, padded alike with `pad_batch`) compile once.
 
   The whole population is one jitted call: `jax.vmap` over candidates, the candidate axis sharded
   over `mesh` (default: all local devices; P is padded to a multiple of the device count), the
@@ -166,7 +175,6 @@ def make_fitness_fn(params, batch: FitnessBatch, *, mode: str = "teacher_forced"
 
   Args:
     params: model parameters (replicated on every device).
-    batch: the search examples.
     mode: "teacher_forced" (needs `forward`) or "greedy" (needs `greedy`).
     forward, greedy: the model's forward / greedy decoder (see ForwardFn, GreedyFn); any model
       taking `rope_multipliers` works (Llama, the PoPE Transformer).
@@ -174,7 +182,7 @@ def make_fitness_fn(params, batch: FitnessBatch, *, mode: str = "teacher_forced"
     mesh: device mesh with axis "candidates".
 
   Raises:
-    ValueError: unknown mode, missing function, empty subset.
+    ValueError: unknown mode, missing function; (when called) a batch with an empty subset.
   """
   if mode not in FITNESS_MODES:
     raise ValueError(f"mode must be one of {FITNESS_MODES}, got {mode!r}")
@@ -184,22 +192,12 @@ def make_fitness_fn(params, batch: FitnessBatch, *, mode: str = "teacher_forced"
     raise ValueError("mode='greedy' needs a greedy decoding function")
   mesh = candidate_mesh() if mesh is None else mesh
   n_dev = mesh.devices.size
-  counts = np.bincount(batch.subset, minlength=len(SUBSETS)).astype(np.float32)
-  if np.any(counts == 0):
-    raise ValueError(f"every subset needs examples, got counts {dict(zip(SUBSETS, counts))}")
-  E = batch.num_examples
-  n_chunks = -(-E // example_batch)  # `_chunks` pads the last chunk: those rows do not count
-  valid = (np.arange(n_chunks * example_batch) < E).reshape(n_chunks, example_batch)
-  onehot = _chunks(np.eye(len(SUBSETS), dtype=np.float32)[batch.subset], example_batch)
   if mode == "teacher_forced":
-    data = tuple(_chunks(a, example_batch) for a in teacher_forced_inputs(batch))
     correct_fn = lambda p, m, d: teacher_forced_correct(forward, p, m, *d)
   else:
-    data = tuple(_chunks(a, example_batch) for a in (
-        batch.prompt_tokens, batch.prompt_mask, batch.answer_tokens, batch.answer_mask))
     correct_fn = lambda p, m, d: greedy_correct(greedy, p, m, *d)
 
-  def one_candidate(p, m, data, valid, onehot):                             # m: [L] or [L, N]
+  def one_candidate(p, m, data, valid, onehot, counts):                     # m: [L] or [L, N]
     def chunk(args):
       d, v, oh = args
       ok = correct_fn(p, m, d) & v                                           # [chunk]
@@ -209,22 +207,54 @@ def make_fitness_fn(params, batch: FitnessBatch, *, mode: str = "teacher_forced"
   replicated = NamedSharding(mesh, PartitionSpec())
   by_candidate = NamedSharding(mesh, PartitionSpec("candidates"))
   population_fn = jax.jit(
-      jax.vmap(one_candidate, in_axes=(None, 0, None, None, None)),
-      in_shardings=(replicated, by_candidate, replicated, replicated, replicated),
+      jax.vmap(one_candidate, in_axes=(None, 0, None, None, None, None)),
+      in_shardings=(replicated, by_candidate) + (replicated,) * 4,
       out_shardings=by_candidate)
   params = jax.device_put(params, replicated)
-  data, valid, onehot = jax.device_put((data, valid, onehot), replicated)
 
-  def fitness(multipliers) -> np.ndarray:
-    m = np.asarray(multipliers, np.float32)
-    P = m.shape[0]
-    pad = (-P) % n_dev
-    if pad:
-      m = np.concatenate([m, np.repeat(m[:1], pad, axis=0)], axis=0)
-    out = population_fn(params, jax.device_put(m, by_candidate), data, valid, onehot)
-    return np.asarray(out, np.float64)[:P]
+  def for_batch(batch: FitnessBatch):
+    counts = np.bincount(batch.subset, minlength=len(SUBSETS)).astype(np.float32)
+    if np.any(counts == 0):
+      raise ValueError(f"every subset needs examples, got counts {dict(zip(SUBSETS, counts))}")
+    E = batch.num_examples
+    n_chunks = -(-E // example_batch)  # `_chunks` pads the last chunk: those rows do not count
+    valid = (np.arange(n_chunks * example_batch) < E).reshape(n_chunks, example_batch)
+    onehot = _chunks(np.eye(len(SUBSETS), dtype=np.float32)[batch.subset], example_batch)
+    if mode == "teacher_forced":
+      data = tuple(_chunks(a, example_batch) for a in teacher_forced_inputs(batch))
+    else:
+      data = tuple(_chunks(a, example_batch) for a in (
+          batch.prompt_tokens, batch.prompt_mask, batch.answer_tokens, batch.answer_mask))
+    inputs = jax.device_put((data, valid, onehot, counts), replicated)
 
-  return fitness
+    def fitness(multipliers) -> np.ndarray:
+      m = np.asarray(multipliers, np.float32)
+      P = m.shape[0]
+      pad = (-P) % n_dev
+      if pad:
+        m = np.concatenate([m, np.repeat(m[:1], pad, axis=0)], axis=0)
+      out = population_fn(params, jax.device_put(m, by_candidate), *inputs)
+      return np.asarray(out, np.float64)[:P]
+
+    return fitness
+
+  return for_batch
+
+
+def pad_batch(batch: FitnessBatch, prompt_len: int, *, pad_id: int = 0) -> FitnessBatch:
+  """`batch` with its prompts left-padded further to `prompt_len` tokens (masked out), so that
+  batches of several seeds share one shape.
+
+  Raises:
+    ValueError: prompt_len shorter than the batch's prompts.
+  """
+  E, T = batch.prompt_tokens.shape
+  if prompt_len < T:
+    raise ValueError(f"pad_batch: prompt_len {prompt_len} < the batch's prompt length {T}")
+  tokens = np.concatenate([np.full((E, prompt_len - T), pad_id, np.int32), batch.prompt_tokens],
+                          axis=1)
+  mask = np.concatenate([np.zeros((E, prompt_len - T), bool), batch.prompt_mask], axis=1)
+  return dataclasses.replace(batch, prompt_tokens=tokens, prompt_mask=mask)
 
 
 def llama_fitness_fns(config: LlamaConfig) -> tuple[ForwardFn, GreedyFn]:

@@ -64,6 +64,16 @@ def eval_results_md(record: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _genome_line(space: dict) -> str:
+  """The genome kind of a search (`lpes_jax.genomes`), in words."""
+  if space["kind"] == "bezier":
+    return f"{len(space['grid'])}-value grid, {space['num_control_points']} Bézier control points"
+  if space["kind"] == "free":
+    return f"{len(space['grid'])}-value grid, one free scale per layer"
+  return (f"one global scale from {len(space['grid'])} values in [{space['grid'][0]}, "
+          f"{space['grid'][-1]}]")
+
+
 def search_results_md(record: dict) -> str:
   """Markdown for one search results.json (`experiments.lpes_search`)."""
   a, s = record["args"], record["search"]
@@ -78,8 +88,8 @@ def search_results_md(record: dict) -> str:
       f"`{a['answer_prefix']}<answer>`), weights {tuple(round(w, 3) for w in s['weights'])}.",
       f"- Budget: population {s['population_size']}, {s['num_generations']} generations "
       f"({s['num_parents']} parents, {s['num_mutations']} mutations, {s['num_crossovers']} "
-      f"crossovers), {len(record['bezier']['grid'])}-value grid, "
-      f"{record['bezier']['num_control_points']} control points; GA seed {s['seed']}.",
+      f"crossovers), {_genome_line(record['genome_space'])}; GA seed {s['seed']}; "
+      f"{record['num_candidates']} distinct candidates evaluated.",
       "- Chance level: the fitness is an exact match, so about 0 for guessing; the identity "
       "curve (generation 0, all s = 1) is the base model's fitness.",
       f"- {PAPER}",
@@ -94,4 +104,79 @@ def search_results_md(record: dict) -> str:
       "These are accuracies on the search set itself, not held-out: evaluate the scales with "
       "`python -m experiments.lpes_eval --method lpes --scales results.json`.",
   ]
+  return "\n".join(lines) + "\n"
+
+
+def _ci(r: dict, signed: bool = False) -> str:
+  f = "+.3f" if signed else ".3f"
+  return f"{r['mean']:{f}} [{r['lo']:{f}}, {r['hi']:{f}}]"
+
+
+def ablation_results_md(record: dict) -> str:
+  """Markdown for an ablation record (`experiments.lpes_ablations`): budgets, accuracies per gold
+  position and middle gains with 95 % intervals, per-seed gains, Bézier against linear."""
+  from lpes_jax.ablation import LABELS  # The method names, one place.
+  c, a = record["config"], record["args"]
+  task = c["task"]
+  lines = [
+      "# LPES ablations", "",
+      f"- Model: `{a['model']}` ({a['dtype']}); preset `{a['preset']}`.",
+      f"- Task: KV retrieval, {task['num_pairs']} pairs searched, {c['transfer_pairs'] or 'no'} "
+      f"pairs for transfer; {task['key_length']}-character keys, {task['value_length']}-character "
+      f"values.",
+      f"- Search: seeds {', '.join(map(str, c['search_seeds']))} (search set and GA), "
+      f"{c['search_examples']} teacher-forced examples each; population "
+      f"{c['search']['population_size']}, {c['search']['num_generations']} generations, "
+      f"{c['search']['num_parents']} parents: a budget of {record['budget_per_search']} distinct "
+      f"candidates per search.",
+      f"- Held out: seeds {', '.join(map(str, c['heldout_seeds']))}, {c['num_examples']} examples "
+      f"per gold position and seed, greedy ({c['max_new_tokens']} new tokens), LitM metric "
+      f"(value as a substring of the output).",
+      *([f"- MoICE: the routers in `{c['moice_routers']}` (experiments.moice_train), decoded "
+         f"on the same held-out examples as the baselines."] if c.get("moice_routers") else []),
+      "- Intervals: normal 95 % intervals over held-out examples (mean ± 1.96 sd/√n). Searched "
+      "methods are pooled over search seeds by scoring each example with its mean over the seeds; "
+      "gains are paired over the same examples (per-example differences). Middle = the gold "
+      "positions other than the first and the last. The intervals cover held-out sampling, not "
+      "the spread over search seeds (shown per seed).",
+      f"- Device: {record['device']} × {record['num_devices']}; jax {record['versions']['jax']}, "
+      f"flax {record['versions']['flax']}; {record['date']}; wall time {record['wall_s']:.0f} s.",
+      f"- Command: `{record['command']}`", "",
+      "## Search budget (distinct candidates × search examples)", "",
+      "| method | " + " | ".join(f"seed {s}" for s in c["search_seeds"]) + " |",
+      "|---|" + "---:|" * len(c["search_seeds"]),
+  ]
+  for m, by_seed in record["budget"].items():
+    lines.append(f"| {LABELS[m]} | " + " | ".join(
+        f"{v['candidates']} × {v['examples']} = {v['candidate_examples']}"
+        for v in by_seed.values()) + " |")
+  lines.append("")
+  for pairs, s in record["summary"].items():
+    golds = s["golds"]
+    kind = "searched difficulty" if int(pairs) == task["num_pairs"] else "transfer"
+    lines += [f"## {pairs} pairs ({kind})", "",
+              "| method | " + " | ".join(f"gold {g}" for g in golds) +
+              f" | middle gain over base ({', '.join(s['middle'])}) |",
+              "|---|" + "---:|" * (len(golds) + 1)]
+    for m, r in s["methods"].items():
+      if m == "bezier_vs_linear":
+        continue
+      lines.append(f"| {LABELS.get(m, m)} | " + " | ".join(_ci(r["accuracy"][g]) for g in golds)
+                   + f" | {_ci(r['middle_gain'], True)} |")
+    lines += ["", "Per search seed (held-out seeds pooled):", "",
+              "| method | seed | mean accuracy | middle gain over base |", "|---|---:|---:|---:|"]
+    for m, r in s["methods"].items():
+      for seed, v in r.get("per_seed", {}).items():
+        lines.append(f"| {LABELS[m]} | {seed} | {v['mean_accuracy']:.3f} | "
+                     f"{_ci(v['middle_gain'], True)} |")
+    bl = s["methods"].get("bezier_vs_linear")
+    if bl:
+      mid = bl["middle"]
+      verdict = ("yes: the interval lies above 0" if mid["lo"] > 0 else
+                 "no: linear interpolation is better (the interval lies below 0)" if mid["hi"] < 0
+                 else "not resolved: the interval contains 0")
+      lines += ["", f"**Does Bézier (C = 4) beat linear interpolation (C = 2) at {pairs} pairs?** "
+                f"{verdict}. Middle positions: {_ci(mid, True)}; all positions: "
+                f"{_ci(bl['all'], True)} (paired differences, search seeds pooled)."]
+    lines.append("")
   return "\n".join(lines) + "\n"

@@ -1,12 +1,14 @@
 """Constrained genetic search for per-layer RoPE scales (LPES, arXiv 2606.27705 §3.2).
 
-Genomes are Bézier control points (`lpes_jax.bezier`). One generation: keep the best
-`num_parents` (elitism), then add `num_mutations` children by mutation (one control point: y moves
-by at most ±`mutation_y_steps` grid steps, x moves inside its neighbours' open interval) and
-`num_crossovers` children by crossover (each control point taken whole from one of two parents;
-re-drawn while x is not strictly increasing). A child equal to any earlier individual is re-drawn.
-Generation 0 is the identity curve (all s = 1) plus random valid curves. Fitness is the weighted
-mean of the accuracies on the begin/middle/end subsets.
+Genomes are one of the kinds of `lpes_jax.genomes` (Bézier control points, free per-layer
+scales, one global scale). One generation: keep the best `num_parents` (elitism), then add
+`num_mutations` children by mutation (one gene moves by at most ±`mutation_y_steps` grid steps)
+and `num_crossovers` children by crossover (each gene taken whole from one of two parents). A child
+whose per-layer scales equal any earlier candidate's is re-drawn, so every kind spends the same
+budget, `SearchConfig.num_candidates`, on distinct candidates; a space no larger than that budget is
+evaluated whole instead (the one-gene "global" kind, a 2-point line). Generation 0 is the identity
+(all s = 1) plus random valid genomes. Fitness is the weighted mean of the accuracies on the
+begin/middle/end subsets.
 
 The fitness function (multipliers [P, L] → subset accuracies [P, S]) comes from the caller,
 e.g. `lpes_jax.fitness.make_fitness_fn`.
@@ -19,7 +21,7 @@ Defaults that are this project's choice (the paper's table was unreadable; LongR
 population 32, 12 generations (generation 0 included), 16 parents, 8 + 8 children, ±2 grid steps,
 weights 1/3 each.
 
-Shape letters: P population, L layers, S subsets (begin, middle, end), C control points.
+Shape letters: P population, L layers, S subsets (begin, middle, end).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import numpy as np
 
 from lpes_jax import bezier
 from lpes_jax.fitness import SUBSETS
+from lpes_jax.genomes import GenomeSpace
 from pope_jax import atomic
 from pope_jax.config import config_diff
 from pope_jax.run_lock import run_lock
@@ -53,7 +56,7 @@ class SearchConfig:
     num_generations: generations evaluated, generation 0 (the initial population) included.
     num_parents: best individuals kept each generation (elitism).
     num_mutations, num_crossovers: children per generation by each operator.
-    mutation_y_steps: the largest move of a control point's y, in grid steps.
+    mutation_y_steps: the largest move of a gene (a control point's y), in grid steps.
     weights: fitness weights of the begin, middle and end subsets.
     seed: numpy RNG seed.
     max_redraws: attempts at a valid, new child before giving up with an error.
@@ -91,6 +94,12 @@ class SearchConfig:
       raise ValueError(f"SearchConfig.weights must be finite, >= 0 and not all 0, got "
                        f"{self.weights}")
 
+  @property
+  def num_candidates(self) -> int:
+    """Distinct candidates evaluated in a full run: P + (generations − 1) · (P − parents)."""
+    return self.population_size + (self.num_generations - 1) * (
+        self.population_size - self.num_parents)
+
 
 def split_population(population: int, *, parents: int | None = None,
                      mutations: int | None = None,
@@ -110,106 +119,80 @@ def split_population(population: int, *, parents: int | None = None,
 
 
 # ----------------------------------------------------------------------------------------------
-# Genetic operators (numpy, seeded Generator).
+# One generation (numpy, seeded Generator).
 
 
-def random_genome(rng: np.random.Generator, bez: bezier.BezierConfig) -> np.ndarray:
-  """A uniformly drawn valid genome [C, 2]: strictly increasing x (ends pinned if configured)."""
-  C, L, M = bez.num_control_points, bez.num_layers, bez.num_values
-  if bez.pin_ends:
-    inner = np.sort(rng.choice(np.arange(1, L - 1), size=C - 2, replace=False))
-    x = np.concatenate([[0], inner, [L - 1]])
-  else:
-    x = np.sort(rng.choice(L, size=C, replace=False))
-  y = rng.integers(0, M, size=C)
-  return np.stack([x, y], axis=1).astype(np.int64)
-
-
-def mutate(rng: np.random.Generator, genome: np.ndarray, bez: bezier.BezierConfig,
-           y_steps: int) -> np.ndarray:
-  """Moves one control point: y by a uniform step in [−y_steps, y_steps] \\ {0} (clipped to the
-  grid), x uniformly inside its neighbours' open interval (pinned ends keep their x)."""
-  g = np.array(genome, np.int64)
-  C, L, M = bez.num_control_points, bez.num_layers, bez.num_values
-  c = int(rng.integers(C))
-  steps = np.concatenate([np.arange(-y_steps, 0), np.arange(1, y_steps + 1)])
-  g[c, 1] = np.clip(g[c, 1] + rng.choice(steps), 0, M - 1)
-  pinned = bez.pin_ends and c in (0, C - 1)
-  if not pinned:
-    lo = g[c - 1, 0] + 1 if c > 0 else 0
-    hi = g[c + 1, 0] - 1 if c < C - 1 else L - 1
-    g[c, 0] = rng.integers(lo, hi + 1)
-  return g
-
-
-def crossover(rng: np.random.Generator, a: np.ndarray, b: np.ndarray,
-              bez: bezier.BezierConfig, max_redraws: int) -> np.ndarray:
-  """Takes each control point whole from `a` or `b` (fair coin), re-drawing while x is not
-  strictly increasing.
-
-  Raises:
-    RuntimeError: no monotone child in `max_redraws` draws.
-  """
-  for _ in range(max_redraws):
-    pick = rng.integers(0, 2, size=a.shape[0]).astype(bool)
-    child = np.where(pick[:, None], a, b)
-    if np.all(np.diff(child[:, 0]) > 0):
-      return child.astype(np.int64)
-  raise RuntimeError(f"crossover found no monotone child in {max_redraws} draws")
-
-
-def _key(genome) -> str:
-  return ",".join(str(int(v)) for v in np.asarray(genome).ravel())
-
-
-def _new_individual(draw: Callable[[], np.ndarray], seen: set[str], max_redraws: int,
-                    what: str) -> np.ndarray:
+def _new_individual(draw: Callable[[], np.ndarray], space: GenomeSpace, seen: set[str],
+                    max_redraws: int, what: str) -> np.ndarray:
   for _ in range(max_redraws):
     g = draw()
-    if _key(g) not in seen:
-      seen.add(_key(g))
+    key = space.key(g)
+    if key not in seen:
+      seen.add(key)
       return g
   raise RuntimeError(f"no new {what} in {max_redraws} draws: the search space is exhausted "
                      "(increase the grid or layers, or lower the population)")
 
 
-def initial_population(rng: np.random.Generator, bez: bezier.BezierConfig, cfg: SearchConfig,
-                       seen: set[str]) -> np.ndarray:
-  """[P, C, 2]: the identity curve, then random valid, distinct curves."""
-  ident = bezier.identity_genome(bez)
-  seen.add(_key(ident))
+def _unseen(genomes: np.ndarray, space: GenomeSpace, seen: set[str], count: int) -> np.ndarray:
+  """The first `count` of `genomes` (a listed space) whose phenotype is not in `seen` (added)."""
+  out = []
+  for g in genomes:
+    if len(out) == count:
+      break
+    key = space.key(g)
+    if key not in seen:
+      seen.add(key)
+      out.append(g)
+  return np.stack(out) if out else genomes[:0]
+
+
+def initial_population(rng: np.random.Generator, space: GenomeSpace, cfg: SearchConfig,
+                       seen: set[str], listed: np.ndarray | None = None) -> np.ndarray:
+  """[P, ...]: the identity, then random valid, distinct genomes (or the first P of `listed`,
+  the whole space when it is searched exhaustively)."""
+  if listed is not None:
+    return _unseen(listed, space, seen, cfg.population_size)
+  ident = space.identity()
+  seen.add(space.key(ident))
   pop = [ident]
   while len(pop) < cfg.population_size:
-    pop.append(_new_individual(lambda: random_genome(rng, bez), seen, cfg.max_redraws,
+    pop.append(_new_individual(lambda: space.random(rng), space, seen, cfg.max_redraws,
                                "random genome"))
   return np.stack(pop)
 
 
 def next_generation(rng: np.random.Generator, population: np.ndarray, fitness: np.ndarray,
-                    bez: bezier.BezierConfig, cfg: SearchConfig, seen: set[str]):
-  """Elitism + mutation + crossover. A crossover that finds no child not seen before in
-  `cfg.max_redraws` draws (parents that differ in few control points) is replaced by a mutation.
+                    space: GenomeSpace, cfg: SearchConfig, seen: set[str],
+                    listed: np.ndarray | None = None):
+  """Elitism + mutation + crossover (or, for a listed space, the next unseen genomes). A
+  crossover that finds no child not seen before in `cfg.max_redraws` draws (parents that differ
+  in few genes) is replaced by a mutation.
 
   Raises:
     RuntimeError: no unseen mutation in `cfg.max_redraws` draws.
 
   Returns:
-    (parents [num_parents, C, 2], parent fitness [num_parents], children [P − num_parents, C, 2]).
+    (parents [num_parents, ...], parent fitness [num_parents], children [<= P − num_parents, ...];
+    no children once a listed space is exhausted).
   """
   order = np.argsort(-np.asarray(fitness), kind="stable")[:cfg.num_parents]
   parents, parent_fit = population[order], np.asarray(fitness)[order]
+  n_children = cfg.population_size - cfg.num_parents
+  if listed is not None:
+    return parents, parent_fit, _unseen(listed, space, seen, n_children)
   children = []
-  mutation = lambda: mutate(rng, parents[rng.integers(len(parents))], bez, cfg.mutation_y_steps)
+  mutation = lambda: space.mutate(rng, parents[rng.integers(len(parents))], cfg.mutation_y_steps)
   for _ in range(cfg.num_mutations):
-    children.append(_new_individual(mutation, seen, cfg.max_redraws, "mutation"))
+    children.append(_new_individual(mutation, space, seen, cfg.max_redraws, "mutation"))
   for _ in range(cfg.num_crossovers):
     def draw():
       i, j = rng.choice(len(parents), size=2, replace=False)
-      return crossover(rng, parents[i], parents[j], bez, cfg.max_redraws)
+      return space.crossover(rng, parents[i], parents[j], cfg.max_redraws)
     try:
-      children.append(_new_individual(draw, seen, cfg.max_redraws, "crossover"))
-    except RuntimeError:  # Few parents that differ in few points: every child already seen.
-      children.append(_new_individual(mutation, seen, cfg.max_redraws,
+      children.append(_new_individual(draw, space, seen, cfg.max_redraws, "crossover"))
+    except RuntimeError:  # Few parents that differ in few genes: every child already seen.
+      children.append(_new_individual(mutation, space, seen, cfg.max_redraws,
                                       "mutation in place of a crossover"))
   return parents, parent_fit, np.stack(children)
 
@@ -233,28 +216,34 @@ class SearchResult:
   """The best individual and the run's history.
 
   Attributes:
-    genome: [C, 2] best control points; scales: [L] its per-layer scales; fitness: its fitness;
-    subset_accuracy: its [S] accuracies; history: per generation best/mean fitness and time.
+    genome: the best genome ([C, 2] control points, [L] or [1] grid indices); scales: [L] its
+    per-layer scales; fitness: its fitness; subset_accuracy: its [S] accuracies; history: per
+    generation best/mean fitness and time; num_candidates: distinct candidates evaluated.
   """
   genome: np.ndarray
   scales: np.ndarray
   fitness: float
   subset_accuracy: np.ndarray
   history: list[dict]
+  num_candidates: int
 
 
 def run_search(subset_accuracy_fn: Callable[[np.ndarray], np.ndarray],
-               bez: bezier.BezierConfig, cfg: SearchConfig, workdir: str, *,
+               space: GenomeSpace, cfg: SearchConfig, workdir: str, *,
                resume: bool = False, progress: bool = True, extra: dict | None = None,
                fitness_id: dict | None = None, stop_after: int | None = None,
                lock: bool = True) -> SearchResult:
-  """Runs (or resumes) the constrained GA, checkpointing after every generation.
+  """Runs (or resumes) the search, checkpointing after every generation.
+
+  A space with at most `cfg.num_candidates` genomes is searched exhaustively (every genome,
+  P in generation 0 and P − num_parents in each later one, until none is left); any other by the
+  GA.
 
   Args:
     subset_accuracy_fn: multipliers [P, L] → accuracies [P, S] (e.g. `make_fitness_fn`).
-    bez: the curve space; cfg: GA settings.
+    space: the genome kind (`lpes_jax.genomes`); cfg: GA settings.
     workdir: folder for search_state.json, results.json and the PNGs.
-    resume: continue from workdir's state (must match bez/cfg); without it an existing state is
+    resume: continue from workdir's state (must match space/cfg); without it an existing state is
       an error, so that no finished generations are overwritten by accident.
     progress: tqdm bar per generation.
     extra: JSON-able run information stored in results.json.
@@ -268,27 +257,27 @@ def run_search(subset_accuracy_fn: Callable[[np.ndarray], np.ndarray],
   Raises:
     RunLockedError: another run is writing workdir.
     FileExistsError: a state exists and resume is False.
-    ValueError: the saved state's settings (bez, cfg, fitness_id) differ; the message names the
+    ValueError: the saved state's settings (space, cfg, fitness_id) differ; the message names the
       differing fields.
   """
   with run_lock(workdir) if lock else contextlib.nullcontext():
-    return _search(subset_accuracy_fn, bez, cfg, workdir, resume=resume, progress=progress,
+    return _search(subset_accuracy_fn, space, cfg, workdir, resume=resume, progress=progress,
                    extra=extra, fitness_id=fitness_id, stop_after=stop_after)
 
 
-def _search(subset_accuracy_fn, bez, cfg, workdir, *, resume, progress, extra, fitness_id,
+def _search(subset_accuracy_fn, space, cfg, workdir, *, resume, progress, extra, fitness_id,
             stop_after) -> SearchResult:
   """`run_search` once workdir is locked."""
   from tqdm import tqdm
 
   state_path = os.path.join(workdir, STATE_FILE)
   weights = np.asarray(cfg.weights) / np.sum(cfg.weights)
-  signature = {"bezier": dataclasses.asdict(bez), "search": dataclasses.asdict(cfg),
+  signature = {"genome": space.describe(), "search": dataclasses.asdict(cfg),
                "fitness": fitness_id}
   signature = json.loads(json.dumps(signature))
 
   def evaluate(genomes):
-    scales = np.asarray(bezier.curve_scales(genomes, bez))
+    scales = space.scales(genomes)
     acc = np.asarray(subset_accuracy_fn(bezier.scales_to_multipliers(scales)), np.float64)
     if acc.shape != (len(genomes), len(SUBSETS)):
       raise ValueError(f"fitness function returned shape {acc.shape}, expected "
@@ -324,17 +313,20 @@ def _search(subset_accuracy_fn, bez, cfg, workdir, *, resume, progress, extra, f
     start = 0
     population = accuracy = fitness = None
 
+  listed = space.enumerate(cfg.num_candidates)
   gens = range(start, cfg.num_generations)
   bar = tqdm(gens, desc="LPES search", unit="gen", disable=not progress, initial=start,
              total=cfg.num_generations)
   for g in bar:
     t0 = time.perf_counter()
     if g == 0:
-      population = initial_population(rng, bez, cfg, seen)
+      population = initial_population(rng, space, cfg, seen, listed)
       accuracy, fitness = evaluate(population)
     else:
       order = np.argsort(-fitness, kind="stable")[:cfg.num_parents]
-      parents, _, children = next_generation(rng, population, fitness, bez, cfg, seen)
+      parents, _, children = next_generation(rng, population, fitness, space, cfg, seen, listed)
+      if not len(children):  # A listed space, all evaluated.
+        break
       child_acc, _ = evaluate(children)
       population = np.concatenate([parents, children])
       accuracy = np.concatenate([accuracy[order], child_acc])
@@ -355,15 +347,17 @@ def _search(subset_accuracy_fn, bez, cfg, workdir, *, resume, progress, extra, f
 
   best = int(np.argmax(fitness))
   result = SearchResult(genome=population[best], fitness=float(fitness[best]),
-                        scales=np.asarray(bezier.curve_scales(population[best], bez)),
-                        subset_accuracy=accuracy[best], history=history)
-  write_results(workdir, result, bez, cfg, extra)
+                        scales=space.scales(population[best:best + 1])[0],
+                        subset_accuracy=accuracy[best], history=history,
+                        num_candidates=len(seen))
+  write_results(workdir, result, space, cfg, extra)
   return result
 
 
-def write_results(workdir: str, result: SearchResult, bez: bezier.BezierConfig,
+def write_results(workdir: str, result: SearchResult, space: GenomeSpace,
                   cfg: SearchConfig, extra: dict | None = None) -> None:
-  """results.json (best scales, multipliers, genome, fitness, configs) and two PNGs."""
+  """results.json (best scales, multipliers, genome, fitness, budget spent, configs) and two
+  PNGs."""
   atomic.write_json(os.path.join(workdir, RESULTS_FILE), {
       "scales": [float(s) for s in result.scales],
       "multipliers": [float(m) for m in bezier.scales_to_multipliers(result.scales)],
@@ -371,23 +365,25 @@ def write_results(workdir: str, result: SearchResult, bez: bezier.BezierConfig,
       "fitness": result.fitness,
       "subset_accuracy": dict(zip(SUBSETS, map(float, result.subset_accuracy))),
       "history": result.history,
-      "bezier": dataclasses.asdict(bez), "search": dataclasses.asdict(cfg),
+      "num_candidates": result.num_candidates,
+      "genome_space": space.describe(), "search": dataclasses.asdict(cfg),
       **(extra or {})})
-  plot_search(workdir, result, bez)
+  plot_search(workdir, result, space)
 
 
-def plot_search(workdir: str, result: SearchResult, bez: bezier.BezierConfig) -> None:
-  """best_curve.png (control points + per-layer scales) and fitness.png (best/mean vs gen)."""
+def plot_search(workdir: str, result: SearchResult, space: GenomeSpace) -> None:
+  """best_curve.png (per-layer scales, and control points of a Bézier genome) and fitness.png
+  (best/mean vs generation)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(6, 3.5))
-  layers = np.arange(bez.num_layers)
+  layers = np.arange(space.num_layers)
   ax.step(layers, result.scales, where="mid", label="per-layer scale s_l")
-  cx = result.genome[:, 0]
-  cy = np.asarray(bez.grid)[result.genome[:, 1]]
-  ax.plot(cx, cy, "o--", alpha=0.6, label="control points")
+  if space.kind == "bezier":
+    cy = np.asarray(space.grid)[result.genome[:, 1]]
+    ax.plot(result.genome[:, 0], cy, "o--", alpha=0.6, label="control points")
   ax.set_xlabel("layer")
   ax.set_ylabel("scale s")
   ax.set_title(f"best curve (fitness {result.fitness:.3f})")

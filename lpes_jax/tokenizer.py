@@ -213,3 +213,18 @@ def load_tokenizer(path: str, *, model_vocab_size: int | None = None) -> Tokeniz
   """
   tok = load_hf_tokenizer(path) if os.path.isdir(path) else load_gguf_tokenizer(path)
   return dataclasses.replace(tok, model_vocab_size=model_vocab_size)
+
+
+def byte_tokenizer() -> Tokenizer:
+  """A byte-level tokenizer without merges, for random-weight test models: ids 0–255 are the
+  bytes (GPT-2's byte-to-character alphabet, sorted), 256 is BOS `<s>` (added once), 257 is EOS
+  `</s>`; 258 ids in all."""
+  alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+  backend = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)},
+                                            merges=[], fuse_unk=False))
+  backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  backend.decoder = decoders.ByteLevel()
+  backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                              for t in ("<s>", "</s>")])
+  return Tokenizer(backend=backend, bos_id=256, eos_ids=(257,), pad_id=None, add_bos=True,
+                   bos_token="<s>", eos_token="</s>", model_vocab_size=258)

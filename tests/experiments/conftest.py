@@ -2,8 +2,8 @@
 
 import pytest
 
-from experiments import (bench_llama, lpes_eval, lpes_generate, lpes_latency, lpes_search,
-                         moice_train)
+from experiments import (bench_llama, lpes_ablations, lpes_eval, lpes_generate, lpes_latency,
+                         lpes_search, moice_train)
 
 
 def never(*args, **kwargs):
@@ -18,6 +18,7 @@ def model(tmp_path, monkeypatch):
   for module, name in ((lpes_search, "load_checkpoint"), (lpes_eval, "load_checkpoint"),
                        (lpes_eval, "load_tokenizer"), (moice_train, "load_checkpoint"),
                        (moice_train, "load_tokenizer"), (lpes_generate, "load_pretrained"),
-                       (lpes_latency, "init_params"), (bench_llama, "init_params")):
+                       (lpes_latency, "init_params"), (bench_llama, "init_params"),
+                       (lpes_ablations, "load_model")):
     monkeypatch.setattr(module, name, never)
   return ["--model", str(path)]

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from experiments import (bench_llama, indirect_indexing, jsb, language_model, lpes_eval,
-                         lpes_generate, lpes_latency, lpes_search, moice_train)
+from experiments import (bench_llama, indirect_indexing, jsb, language_model, lpes_ablations,
+                         lpes_eval, lpes_generate, lpes_latency, lpes_search, moice_train)
 
 
 def _never(*args, **kwargs):
@@ -139,7 +139,7 @@ def test_every_flag_has_help_and_its_default_once(capsys, monkeypatch):
   real = common.make_parser
   monkeypatch.setattr(common, "make_parser", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
   for module in (indirect_indexing, jsb, language_model, lpes_eval, lpes_generate, lpes_latency,
-                 lpes_search, bench_llama, moice_train):
+                 lpes_search, bench_llama, moice_train, lpes_ablations):
     name = module.__name__.split(".")[-1]
     with pytest.raises(SystemExit) as e:
       module.main(["--help"])
@@ -158,7 +158,8 @@ def test_help_lists_the_presets(capsys):
   for module, presets in ((indirect_indexing, indirect_indexing.ii.PRESETS),
                           (jsb, jsb.task.PRESETS), (language_model, language_model.lm.PRESETS),
                           (lpes_latency, lpes_latency.PRESETS),
-                          (moice_train, moice_train.PRESETS)):
+                          (moice_train, moice_train.PRESETS),
+                          (lpes_ablations, lpes_ablations.PRESETS)):
     with pytest.raises(SystemExit):
       module.main(["--help"])
     epilog = capsys.readouterr().out.split("presets:\n")[1]

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from experiments import indirect_indexing, lpes_search
-from lpes_jax import bezier, search
+from lpes_jax import bezier, genomes, search
 from pope_jax import config, train
 from pope_jax.run_lock import RunLockedError, run_lock
 
@@ -73,7 +73,7 @@ def test_second_indirect_indexing_run_refuses_and_names_the_holder(holder, tmp_p
 
 def test_search_refuses_a_locked_folder_and_takes_over_a_stale_lock(tmp_path):
   toy = lambda m: [[1.0, 0.5, 0.0]] * len(m)
-  bez = bezier.BezierConfig(num_layers=8)
+  bez = genomes.BezierSpace(bezier.BezierConfig(num_layers=8))
   cfg = search.SearchConfig(num_generations=2, population_size=8, num_parents=4,
                             num_mutations=2, num_crossovers=2)
   with run_lock(tmp_path):

@@ -31,8 +31,8 @@ def test_constant_and_linear_curves_hand_checked():
 def test_population_matches_single_calls():
   cfg = bezier.BezierConfig(num_layers=16, num_control_points=5)
   rng = np.random.default_rng(0)
-  from lpes_jax.search import random_genome
-  pop = np.stack([random_genome(rng, cfg) for _ in range(6)])
+  from lpes_jax.genomes import BezierSpace
+  pop = np.stack([BezierSpace(cfg).random(rng) for _ in range(6)])
   batch = np.asarray(bezier.curve_scales(pop, cfg))
   for g, row in zip(pop, batch):
     np.testing.assert_array_equal(np.asarray(bezier.curve_scales(g, cfg)), row)

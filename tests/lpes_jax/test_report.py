@@ -24,12 +24,15 @@ def test_search_results_md():
                          answer_prefix=' "'),
             "search": {"weights": [1 / 3] * 3, "population_size": 32, "num_generations": 12,
                        "num_parents": 16, "num_mutations": 8, "num_crossovers": 8, "seed": 0},
-            "bezier": {"grid": [1.0, 1.5, 2.0], "num_control_points": 4},
+            "genome_space": {"kind": "bezier", "grid": [1.0, 1.5, 2.0],
+                             "num_control_points": 4},
+            "num_candidates": 208,
             "subset_accuracy": {"begin": 0.7, "middle": 0.2, "end": 0.1}, "fitness": 0.33,
             "scales": [1.0, 1.2], "history": [{"best_fitness": 0.3,
                                                "best_subset_accuracy": [0.6, 0.2, 0.1]}]}
   md = report.search_results_md(record)
   for text in ("Search examples: 200", "population 32, 12 generations", "Chance level",
+               "3-value grid, 4 Bézier control points", "208 distinct candidates",
                "+11.2 %", "What to expect", "| best | 0.330 | 0.700 | 0.200 | 0.100 |",
                "not held-out"):
     assert text in md, text
