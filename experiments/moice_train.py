@@ -37,8 +37,7 @@ PRESETS = {
 }
 PRESET_HELP = {
     "smoke": "random 2-layer Llama (width 64), 2 steps of 4 sequences: seconds on CPU",
-    "h200": "the --model checkpoint, the released recipe: 7 steps of 128 sequences, lr 1e-4 "
-            "(about a minute on one H200)",
+    "h200": "the --model checkpoint, the released recipe: 7 steps of 128 sequences, lr 1e-4",
 }
 TINY = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
             head_dim=16, rope_theta=100000.0, max_position_embeddings=8192)
