@@ -159,18 +159,13 @@ def for_each_item(schedule_ref):
   return lambda body, carry: lax.fori_loop(0, count, lambda j, c: body(item_of(j), c), carry)
 
 
-def item_coords(item, n_heads: int, n_tiles: int):
-  """(batch, head, rank) of a flat item index: heads vary fastest, then the rank (0 = the
-  longest resident tile under a causal mask; the caller maps ranks to tiles), then the batch."""
-  return lax.div(item, n_heads * n_tiles), lax.rem(item, n_heads), lax.rem(
+def item_coords(item, n_heads: int, n_tiles: int, *, last_tile_first: bool):
+  """(batch, head, resident tile) of a flat item index: heads vary fastest, then the rank,
+  then the batch. Rank 0 is the tile that sees the most of the stream under a causal mask: the
+  last one with `last_tile_first` (resident queries), else tile 0 (resident keys)."""
+  batch, head, rank = lax.div(item, n_heads * n_tiles), lax.rem(item, n_heads), lax.rem(
       lax.div(item, n_heads), n_tiles)
-
-
-def last_tile_first(item, n_heads: int, n_tiles: int):
-  """(batch, head, resident query tile) of an item (`item_coords`): under a causal mask the last
-  query tile sees the most keys, so rank 0 is the last tile."""
-  batch, head, rank = item_coords(item, n_heads, n_tiles)
-  return batch, head, n_tiles - 1 - rank
+  return batch, head, n_tiles - 1 - rank if last_tile_first else rank
 
 
 def read_ranges(tab_ref, batch, tile, wg):
@@ -225,22 +220,19 @@ def causal_mask(scores, k_pos, q_pos, key_axis: int):
 
 # --- The memory warpgroup: one ring of SMEM slots over all of a CTA's items.
 
-def ready_barrier(stages: int, copies_per_step: int):
-  """Per slot, the barrier that the step's `copies_per_step` TMA copies complete together."""
-  return plgpu.Barrier(num_arrivals=copies_per_step, num_barriers=stages)
-
-
-def memory_warpgroup(for_items, stages: int, consumed, ready, visit, copies,
+def memory_warpgroup(for_items, tile_of, tab_ref, copies, stages: int, consumed, ready,
                      registers: int = 40):
-  """The TMA warpgroup of every kernel here. For each item (`for_items`), step s of its range
-  `visit(item)` = (u_lo, u_hi) is the ring's step n = base + s - u_lo: once step n - stages
+  """The TMA warpgroup of every kernel here. For each item (`for_items`), whose resident tile
+  tile_of(item) = (batch, ..., tile) visits the steps [u_lo, u_hi) of `tab_ref`
+  (`visit_table`), step s is the ring's step n = base + s - u_lo: once step n - stages
   released slot n % stages, each (gmem ref, smem buffers) of `copies(item, s)` is copied into
   it, signalling the slot's `ready` barrier, so the next item's copies overlap this one's math.
   At the end it waits for the release of the ring's last steps."""
   plgpu.set_max_registers(registers, action="decrease")
 
   def item_body(item, base):
-    u_lo, u_hi = visit(item)
+    coords = tile_of(item)
+    u_lo, u_hi = tab_ref[coords[0], coords[-1], 0], tab_ref[coords[0], coords[-1], 1]
 
     def step(s, _):
       n = base + s - u_lo
@@ -271,10 +263,6 @@ def stream_keys(for_items, tile_of, tab_ref, gmem, smem, group: int, block_kv: i
   """`memory_warpgroup` of the kernels with resident queries (forward, dq): per step the
   `gmem` (b [B, S, K, D], v [B, S, K, V], key positions [B, S]) rows into `smem`'s slots;
   `group` query heads per kv head."""
-  def visit(item):
-    batch, _, tile = tile_of(item)
-    return tab_ref[batch, tile, 0], tab_ref[batch, tile, 1]
-
   def copies(item, s):
     batch, head, _ = tile_of(item)
     kv_head = lax.div(head, jnp.int32(group))
@@ -283,7 +271,7 @@ def stream_keys(for_items, tile_of, tab_ref, gmem, smem, group: int, block_kv: i
     return zip((b_ref.at[batch, cols, kv_head], v_ref.at[batch, cols, kv_head],
                 kpos_ref.at[batch, cols]), smem)
 
-  memory_warpgroup(for_items, stages, consumed, ready, visit, copies, registers)
+  memory_warpgroup(for_items, tile_of, tab_ref, copies, stages, consumed, ready, registers)
 
 
 # --- SMEM budget, platform and compiler settings.

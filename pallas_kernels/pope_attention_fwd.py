@@ -132,7 +132,7 @@ def _scratch(p: ForwardPlan) -> dict:
       "kpos_smem": plgpu.SMEM((stages, bk), jnp.float32),
       "q_bar": plgpu.Barrier(num_arrivals=3 + len(trig), num_barriers=wgs),
       "qpos_bar": plgpu.Barrier(num_barriers=wgs),
-      "ready": st.ready_barrier(stages, 3),
+      "ready": plgpu.Barrier(num_arrivals=3, num_barriers=stages),
       "consumed": plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
       # the ping-pong handshake (with three warpgroups unused, as in the tuned programs)
       "handshake_bar": (plgpu.Barrier(num_arrivals=wgs) if wgs == 2
@@ -223,7 +223,7 @@ class _ForwardKernel:
     return pl.ds(jnp.minimum(start, self.t_len - self.bq), self.bq), start < self.t_len
 
   def tile_of(self, item):
-    return st.last_tile_first(item, self.n_heads, self.n_tiles)
+    return st.item_coords(item, self.n_heads, self.n_tiles, last_tile_first=True)
 
   def pope_fwd_kernel(self, q_ref, rot0_ref, rot1_ref, trig_ref, b_ref, v_ref, qpos_ref,
                       kpos_ref, tab_ref, sched_ref, *rest):
