@@ -198,7 +198,23 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outp
   dtype = a.dtype
   wgs = st.COMPUTE_WGS
   n_tiles = s_len // (wgs * bk)
-  resident, streamed, scratch, dk_in_v = _dkv_scratch(a, v, blocks, outputs)
+  # dv alone needs neither v nor Δ (v's tile stages dv's store).
+  resident = ("b", "kpos") + (("v",) if want_dk else ())
+  streamed = ("a", "do", "lse", "qpos") + (("delta",) if want_dk else ())
+
+  def scratch_types(dk_in_v: bool):
+    res_types = _tiles(wgs, bk, ("b", "v", "kpos"), d, vd, dtype)
+    if want_dk and not dk_in_v:
+      res_types["dk"] = plgpu.SMEM((wgs, bk, h), dtype, transforms=st.tile_transforms(h))
+    return (res_types, _tiles(stages, bq, streamed, d, vd, dtype),
+            plgpu.Barrier(num_barriers=len(resident) * wgs),
+            plgpu.Barrier(num_arrivals=len(streamed), num_barriers=stages),
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages))
+
+  # dk is staged in v's tile where V = H and there is no dv or no room for dk's own tile.
+  dk_in_v = want_dk and vd == h and (
+      not want_dv or st.smem_bytes(scratch_types(False)) > st.smem_limit())
+  scratch = scratch_types(dk_in_v)
 
   def pope_dkv_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
                       tab_ref, sched_ref, out_refs, smem, str_smem, res_bar, ready, consumed):
@@ -267,33 +283,6 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outp
                   scratch, ctas=schedule.shape[0], compute_wgs=wgs)(
                       a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
   return tuple(out[o] for o in outputs)
-
-
-def _dkv_scratch(a, v, blocks: BlockSizes, outputs: tuple[str, ...]):
-  """SMEM plan of the dk/dv kernel: (resident names, streamed names, scratch, dk_in_v). dv
-  alone needs neither v nor Δ (v's tile stages dv's store). dk is staged in v's tile when V = H
-  and there is no dv or no room for its own tile."""
-  want_dk, want_dv = "dk" in outputs, "dv" in outputs
-  d, vd, dtype = a.shape[-1], v.shape[-1], a.dtype
-  h = d // 2
-  bk, bq, stages = blocks.block_kv_dkv, blocks.block_q_dkv, blocks.stages
-  wgs = st.COMPUTE_WGS
-  resident = ("b", "kpos") + (("v",) if want_dk else ())
-  streamed = ("a", "do", "lse", "qpos") + (("delta",) if want_dk else ())
-
-  def scratch_types(dk_in_v: bool):
-    res_types = _tiles(wgs, bk, ("b", "v", "kpos"), d, vd, dtype)
-    if want_dk and not dk_in_v:
-      res_types["dk"] = plgpu.SMEM((wgs, bk, h), dtype, transforms=st.tile_transforms(h))
-    return (res_types, _tiles(stages, bq, streamed, d, vd, dtype),
-            plgpu.Barrier(num_barriers=len(resident) * wgs),
-            plgpu.Barrier(num_arrivals=len(streamed), num_barriers=stages),
-            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages))
-
-  dk_in_v = want_dk and vd == h and (
-      not want_dv or st.smem_bytes(scratch_types(False)) > st.smem_limit())
-  scratch = scratch_types(dk_in_v)
-  return resident, streamed, scratch, dk_in_v
 
 
 def _store_dkv(accs, smem, wg, out_refs, dst, outputs, dk_in_v: bool, dtype):
