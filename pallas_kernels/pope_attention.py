@@ -233,15 +233,14 @@ def _flash_bwd(plan, magnitude_scale, cartesian_map, key_len, res, d_out):
   delta = jnp.einsum("btnv,btnv->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
   d_out = d_out.astype(a.dtype)
   args = (a, b, v, d_out, lse, delta, o.q_pos, o.k_pos)
-  tables = o.tables
   h = a.shape[-1] // 2
   if not query:  # The dq kernel maps da: dq and each angle's gradient, summed into the phase's.
-    dq_angle = pope_attention_dq(*args, *tables[1], blocks=blocks,
+    dq_angle = pope_attention_dq(*args, *o.tables[1], blocks=blocks,
                                  magnitude_scale=magnitude_scale)
     dq = dq_angle[..., :h]
     dphase = dq_angle[..., h:].astype(jnp.float32).sum((0, 1))
   else:  # da through the reference map's VJP (float32), as the kernel's `cartesian_halves`.
-    da = pope_attention_dq(*args, *tables[1], blocks=blocks, magnitude_scale=None)
+    da = pope_attention_dq(*args, *o.tables[1], blocks=blocks, magnitude_scale=None)
     if cartesian_map is None:
       raise ValueError("float16 gradients of pallas PoPE attention need `cartesian_map` (the "
                        "reference map `pope_jax.encodings.polar_to_cartesian`)")
@@ -250,7 +249,7 @@ def _flash_bwd(plan, magnitude_scale, cartesian_map, key_len, res, d_out):
       return (cartesian_map(q, ang, phase) * magnitude_scale).astype(q.dtype)
     _, map_vjp = jax.vjp(query_map, *query)
     dq, dphase = map_vjp(da)
-  dk, dv = pope_attention_dkv(*args, *tables[2], blocks=blocks)
+  dk, dv = pope_attention_dkv(*args, *o.tables[2], blocks=blocks)
   bsz, s_pad, kv_heads = b.shape[:3]
   group = a.shape[2] // kv_heads
   if group > 1:

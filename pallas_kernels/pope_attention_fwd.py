@@ -188,8 +188,8 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
               jax.ShapeDtypeStruct((bsz, n_heads, t_len), jnp.float32))
   if plan.save_a:
     out_type += (jax.ShapeDtypeStruct((bsz, t_len, n_heads, 2 * h), q.dtype),)
-  return st.launch(kernel.pope_fwd_kernel, out_type, tuple(kernel.scratch.values()), ctas=schedule.shape[0],
-                   compute_wgs=plan.warpgroups)(
+  return st.launch(kernel.pope_fwd_kernel, out_type, tuple(kernel.scratch.values()),
+                   ctas=schedule.shape[0], compute_wgs=plan.warpgroups)(
       q, *rot, trig, b, v, q_pos, k_pos, table, schedule, *([] if bounded is None else [bounded]))
 
 
@@ -202,8 +202,9 @@ class _ForwardKernel:
     self.plan = plan
     self.blocks = plan.blocks
     self.bq, self.bk, self.wgs = plan.blocks.block_q, plan.blocks.block_kv, plan.warpgroups
-    self.t_len, self.n_heads, self.group = t_len, n_heads, group
-    self.n_tiles = -(-t_len // (self.wgs * self.bq))
+    self.t_len, self.group = t_len, group
+    self.tile_of = functools.partial(st.item_coords, n_heads=n_heads, last_tile_first=True,
+                                     n_tiles=-(-t_len // (self.wgs * self.bq)))
     self.magnitude_scale = magnitude_scale
     self.rot_per_head, self.trig_batched = rot_per_head, trig_batched
     # The interpreter runs each warpgroup as its own XLA:CPU execution, and the handshake
@@ -216,14 +217,11 @@ class _ForwardKernel:
 
   def query_rows(self, tile, wg):
     """(rows, live) of a warpgroup's query tile: tiles past T (three warpgroups) load the last
-    rows and store nothing (live False); live is None where every tile is live."""
+    rows and store nothing (`pl.when(live)`); live is True where every tile is live."""
     start = (tile * self.wgs + wg) * self.bq
     if self.t_len % (self.wgs * self.bq) == 0:
-      return pl.ds(start, self.bq), None
+      return pl.ds(start, self.bq), True
     return pl.ds(jnp.minimum(start, self.t_len - self.bq), self.bq), start < self.t_len
-
-  def tile_of(self, item):
-    return st.item_coords(item, self.n_heads, self.n_tiles, last_tile_first=True)
 
   def pope_fwd_kernel(self, q_ref, rot0_ref, rot1_ref, trig_ref, b_ref, v_ref, qpos_ref,
                       kpos_ref, tab_ref, sched_ref, *rest):
@@ -237,16 +235,11 @@ class _ForwardKernel:
         q=q_ref, rot=(rot0_ref, rot1_ref), trig=trig_ref, qpos=qpos_ref, tab=tab_ref,
         sched=sched_ref, bnd=bnd_ref, o=o_ref, lse=lse_ref, a=a_ref, **smem)
     wg = lax.axis_index("wg")
-
-    @pl.when(wg < self.wgs)
-    def _compute():
-      self._compute(wg)
-
-    @pl.when(wg == self.wgs)
-    def _memory():
-      st.stream_keys(st.for_each_item(sched_ref), self.tile_of, tab_ref,
-                     (b_ref, v_ref, kpos_ref), (r.b_smem, r.v_smem, r.kpos_smem), self.group,
-                     self.bk, self.plan.stages, r.consumed, r.ready, self.memory_registers)
+    pl.when(wg < self.wgs)(lambda: self._compute(wg))
+    pl.when(wg == self.wgs)(lambda: st.stream_keys(
+        st.for_each_item(sched_ref), self.tile_of, tab_ref, (b_ref, v_ref, kpos_ref),
+        (r.b_smem, r.v_smem, r.kpos_smem), self.group, self.bk, self.plan.stages, r.consumed,
+        r.ready, self.memory_registers))
 
   def handshake(self):
     """One handshake of the two compute warpgroups' ping-pong (FlashAttention-3 §3.1): each
@@ -323,15 +316,14 @@ class _ForwardKernel:
     # before the next item's copies into them.
     plgpu.commit_smem()
     pl.when(j + 1 < self.count)(lambda: self._load_queries(self.item_of(j + 1), wg))
-    if self.plan.save_a and r.a_smem is not None:
-      _when_live(live, lambda: plgpu.copy_smem_to_gmem(r.a_smem.at[wg],
-                                                       r.a.at[batch, rows, head]))
+    if r.a_smem is not None:
+      pl.when(live)(lambda: plgpu.copy_smem_to_gmem(r.a_smem.at[wg], r.a.at[batch, rows, head]))
     elif self.plan.save_a:  # (the final store waits for the second half's copy to have read it)
       for i, half in enumerate(halves):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         r.o_smem.at[wg][...] = half
         plgpu.commit_smem()
-        _when_live(live, lambda i=i: plgpu.copy_smem_to_gmem(
+        pl.when(live)(lambda i=i: plgpu.copy_smem_to_gmem(
             r.o_smem.at[wg], r.a.at[batch, rows, head, pl.ds(i * h, h)]))
 
   def _item(self, j, base, wg):
@@ -462,11 +454,4 @@ class _ForwardKernel:
       def store():
         plgpu.copy_smem_to_gmem(r.o_smem.at[wg], r.o.at[batch, rows, head])
         plgpu.copy_smem_to_gmem(r.lse_smem.at[wg], r.lse.at[batch, head, rows])
-      _when_live(live, store)
-
-
-def _when_live(live, fn):
-  if live is None:
-    fn()
-  else:
-    pl.when(live)(fn)
+      pl.when(live)(store)
