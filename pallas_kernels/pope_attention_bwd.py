@@ -180,10 +180,8 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
     dk [B, S, N, H] and dv [B, S, N, V] in a's dtype.
   """
   args = (a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
-  if blocks.split_dkv:
-    return _dkv(*args, blocks=blocks, outputs=("dk",)) + _dkv(*args, blocks=blocks,
-                                                                outputs=("dv",))
-  return _dkv(*args, blocks=blocks, outputs=("dk", "dv"))
+  launches = (("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)
+  return sum((_dkv(*args, blocks=blocks, outputs=outputs) for outputs in launches), ())
 
 
 @functools.partial(jax.jit, static_argnames=('blocks', 'outputs'))
@@ -262,7 +260,16 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outp
                                      plgpu.Layout.WGMMA) for o in outputs)
       accs = dict(zip(outputs, st.compute_loops(ranges, origin, accs, step, stages, ready,
                                                 consumed)))
-      _store_dkv(accs, smem, wg, out_refs, (batch, cols, head), outputs, dk_in_v, dtype)
+      if want_dk:  # db through the key map's VJP (s = 1): the raw keys' gradient.
+        accs["dk"], _ = cartesian_vjp(plgpu.load(smem["b"].at[wg], layout=plgpu.Layout.WGMMA),
+                                      accs["dk"] * _LN2, 1.0)
+      stage = {"dk": smem["v"] if dk_in_v else smem.get("dk"), "dv": smem["v"]}
+      for i, o in enumerate(outputs):  # each output staged in SMEM and stored
+        if i and dk_in_v:  # The previous output's store must have read the shared tile.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        stage[o].at[wg][...] = accs[o].astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage[o].at[wg], out_refs[o].at[batch, cols, head])
       return base + ranges[1] - ranges[0]
 
     def copies(item, s):
@@ -284,17 +291,3 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outp
                       a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
   return tuple(out[o] for o in outputs)
 
-
-def _store_dkv(accs, smem, wg, out_refs, dst, outputs, dk_in_v: bool, dtype):
-  """Epilogue of one key tile: dk from db (`cartesian_vjp`, s = 1), then each output of
-  `accs` (float32 [bk, width]) staged in SMEM and stored to `out_refs[o].at[dst]`."""
-  if "dk" in outputs:  # db through the key map's VJP (s = 1): the raw keys' gradient.
-    accs["dk"], _ = cartesian_vjp(plgpu.load(smem["b"].at[wg], layout=plgpu.Layout.WGMMA),
-                                  accs["dk"] * _LN2, 1.0)
-  stage = {"dk": smem["v"] if dk_in_v else smem.get("dk"), "dv": smem["v"]}
-  for i, o in enumerate(outputs):
-    if i and dk_in_v:  # The previous output's store must have read the shared tile.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    stage[o].at[wg][...] = accs[o].astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(stage[o].at[wg], out_refs[o].at[dst])
