@@ -172,15 +172,12 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
       `plan.bounded`, or the buffers exceed SMEM.
   """
   bsz, t_len, n_heads, h = q.shape
-  kv_heads, vd = v.shape[2:]
+  vd = v.shape[-1]
   if trig.ndim != (4 if plan.tables else 2):
     raise ValueError(f"trig has shape {trig.shape}; the plan's tables are {plan.tables}")
   if (bounded is not None) != plan.bounded:
     raise ValueError(f"bounded flags must be given iff the plan's bounded ({plan.bounded}) is")
-  kernel = _ForwardKernel(
-      plan, t_len=t_len, n_heads=n_heads, group=n_heads // kv_heads,
-      magnitude_scale=magnitude_scale, rot_per_head=tuple(r.ndim != 1 for r in rot),
-      trig_batched=trig.shape[-3 if plan.tables else -2] > 1)
+  kernel = _ForwardKernel(plan, q, rot, trig, v, magnitude_scale)
   st.check_smem(kernel.scratch, "forward", f"at {plan.stages} stages lower BlockSizes.stages, "
                 "block_kv or block_q" + (", or set forward_warpgroups 2 (or None)"
                                          if plan.warpgroups == 3 else ""))
@@ -197,16 +194,16 @@ class _ForwardKernel:
   """The forward kernel's body: `pope_fwd_kernel` forks the warpgroups; each item of a compute
   warpgroup loads and maps its queries, runs its streamed steps (`_steps`) and stores (`_item`)."""
 
-  def __init__(self, plan: ForwardPlan, *, t_len: int, n_heads: int, group: int,
-               magnitude_scale: float, rot_per_head: tuple, trig_batched: bool):
-    self.plan = plan
-    self.blocks = plan.blocks
+  def __init__(self, plan: ForwardPlan, q, rot, trig, v, magnitude_scale: float):
+    """The body for `pope_attention_fwd`'s operands (their shapes)."""
+    self.plan, self.blocks, self.magnitude_scale = plan, plan.blocks, magnitude_scale
     self.bq, self.bk, self.wgs = plan.blocks.block_q, plan.blocks.block_kv, plan.warpgroups
-    self.t_len, self.group = t_len, group
+    _, self.t_len, n_heads, _ = q.shape
+    self.group = n_heads // v.shape[2]
     self.tile_of = functools.partial(st.item_coords, n_heads=n_heads, last_tile_first=True,
-                                     n_tiles=-(-t_len // (self.wgs * self.bq)))
-    self.magnitude_scale = magnitude_scale
-    self.rot_per_head, self.trig_batched = rot_per_head, trig_batched
+                                     n_tiles=-(-self.t_len // (self.wgs * self.bq)))
+    self.rot_per_head = tuple(r.ndim != 1 for r in rot)  # θ [H] is shared by the heads
+    self.trig_batched = trig.shape[-3 if plan.tables else -2] > 1
     # The interpreter runs each warpgroup as its own XLA:CPU execution, and the handshake
     # hangs where they do not all start at once (few cores); the GPU check covers ping-pong.
     self.ping_pong = plan.ping_pong and not st.interpreted()
@@ -275,8 +272,7 @@ class _ForwardKernel:
       for i, buf in enumerate(r.trig_smem):
         plgpu.copy_gmem_to_smem(r.trig.at[i, trig_batch, rows], buf.at[wg], r.q_bar.at[wg])
     else:
-      plgpu.copy_gmem_to_smem(r.trig.at[trig_batch, rows], r.trig_smem[0].at[wg],
-                              r.q_bar.at[wg])
+      plgpu.copy_gmem_to_smem(r.trig.at[trig_batch, rows], r.trig_smem[0].at[wg], r.q_bar.at[wg])
     plgpu.copy_gmem_to_smem(r.qpos.at[batch, rows], r.qpos_smem.at[wg], r.qpos_bar.at[wg])
 
   def is_bounded(self, j):
@@ -295,8 +291,7 @@ class _ForwardKernel:
       x = plgpu.load(r.q_smem.at[wg], layout=plgpu.Layout.WGMMA)
       rot_rows = [st.row_vector(r.rot_smem.at[wg, i], 1) for i in range(2)]
       if self.plan.tables:
-        cos_t, sin_t = (plgpu.load(buf.at[wg], layout=plgpu.Layout.WGMMA)
-                        for buf in r.trig_smem)
+        cos_t, sin_t = (plgpu.load(buf.at[wg], layout=plgpu.Layout.WGMMA) for buf in r.trig_smem)
         halves = cartesian_halves_from_tables(x, cos_t, sin_t, *rot_rows,
                                               self.magnitude_scale, self.plan.dtype)
       else:
@@ -447,8 +442,7 @@ class _ForwardKernel:
       empty = l_i == 0.0
       l_safe = jnp.where(empty, 1.0, l_i)
       r.o_smem.at[wg][...] = (acc / st.broadcast(l_safe, (bq, vd), 0)).astype(self.plan.dtype)
-      r.lse_smem.at[wg][...] = jnp.where(empty, 1e30,
-                                         m_i + jnp.log(l_safe) * (1 / math.log(2)))
+      r.lse_smem.at[wg][...] = jnp.where(empty, 1e30, m_i + jnp.log(l_safe) * (1 / math.log(2)))
       plgpu.commit_smem()
 
       def store():
