@@ -173,8 +173,7 @@ def read_ranges(tab_ref, batch, tile, wg):
   from the visit table."""
   u_lo, u_hi = tab_ref[batch, tile, 0], tab_ref[batch, tile, 1]
   base = 2 + 4 * wg
-  lo, flo, fhi, hi = (tab_ref[batch, tile, base + i] for i in range(4))
-  return u_lo, u_hi, lo, flo, fhi, hi
+  return (u_lo, u_hi, *(tab_ref[batch, tile, base + i] for i in range(4)))
 
 
 def load_resident(copies, wg, barriers) -> None:
@@ -245,17 +244,13 @@ def memory_warpgroup(for_items, tile_of, tab_ref, copies, stages: int, consumed,
 
       for src, dst in copies(item, s):
         plgpu.copy_gmem_to_smem(src, dst.at[slot], ready.at[slot])
-      return None
 
     lax.fori_loop(u_lo, u_hi, step, None)
     return base + u_hi - u_lo
 
-  def drain(n, _):
-    plgpu.barrier_wait(consumed.at[lax.rem(n, stages)])
-    return None
-
   steps = for_items(item_body, jnp.int32(0))
-  lax.fori_loop(jnp.maximum(steps - stages, 0), steps, drain, None)
+  lax.fori_loop(jnp.maximum(steps - stages, 0), steps,
+                lambda n, _: plgpu.barrier_wait(consumed.at[lax.rem(n, stages)]), None)
 
 
 def stream_keys(for_items, tile_of, tab_ref, gmem, smem, group: int, block_kv: int,
@@ -341,8 +336,7 @@ def tile_transforms(width: int = 64):
 # --- The magnitude map (PoPE Eq. 3).
 
 # log1p(e) = e·P(e) on [0, 1], P of degree 6 with P(0) = 1, fitted to the relative error.
-_LOG1P_COEFFS = (1.0, -0.49990746, 0.33140427, -0.23611341, 0.15102765, -0.06785116,
-                 0.014588303)
+_LOG1P_COEFFS = (1.0, -0.49990746, 0.33140427, -0.23611341, 0.15102765, -0.06785116, 0.014588303)
 # `softplus`'s relative error bound against the exact softplus, every float32 x.
 SOFTPLUS_RTOL = 2e-6
 

@@ -329,8 +329,7 @@ def _prepare(q, k, v, delta, positions, *, is_causal, plan):
   bsz, t_len, n_heads, h = q.shape
   s_len, vd = k.shape[1], v.shape[-1]
   # δ on the query side as -δ (the same score as δ on the keys, Eq. 5).
-  phase = (jnp.zeros((n_heads, h), jnp.float32) if delta is None
-           else -delta.astype(jnp.float32))
+  phase = jnp.zeros((n_heads, h), jnp.float32) if delta is None else -delta.astype(jnp.float32)
   angle_pos, q_table, k_trig, qp, kp, visits = positions
   t_pad, s_pad = qp.shape[1], kp.shape[1]
   v_pad = -(-vd // 64) * 64
@@ -339,8 +338,7 @@ def _prepare(q, k, v, delta, positions, *, is_causal, plan):
   offset = max(s_len - t_len, 0)
 
   def schedule(row_block, col_block, rows_are_queries, wgs):
-    n_rows = t_pad if rows_are_queries else s_pad
-    n_cols = s_pad if rows_are_queries else t_pad
+    n_rows, n_cols = (t_pad, s_pad) if rows_are_queries else (s_pad, t_pad)
     tile_rows = wgs * row_block
     n_tiles = -(-n_rows // tile_rows)
     steps = st.causal_steps(n_tiles, tile_rows, n_cols, col_block, offset,
@@ -410,11 +408,9 @@ def pope_attention(q, k, v, delta=None, *, frequencies, q_positions, k_positions
     ValueError: q, k, v that do not agree, concrete positions of magnitude MAX_POSITION or
       more, or `block_sizes` whose buffers do not fit in SMEM.
   """
-  reason = unsupported_reason(q, k, v)
-  if reason is not None:
+  if reason := unsupported_reason(q, k, v):
     raise (ValueError if reason == _mismatch(q, k, v) else NotImplementedError)(reason)
-  reason = platform_reason()
-  if reason is not None:
+  if reason := platform_reason():
     raise NotImplementedError(reason)
   h = q.shape[-1]
   plan = _plan(default_block_sizes(h) if block_sizes is None else block_sizes, h, v.shape[-1],
