@@ -169,8 +169,7 @@ def item_coords(item, n_heads: int, n_tiles: int, *, last_tile_first: bool):
 
 
 def read_ranges(tab_ref, batch, tile, wg):
-  """(u_lo, u_hi, lo, flo, fhi, hi) scalars of a resident tile group (an item) and warpgroup
-  from the visit table."""
+  """(u_lo, u_hi, lo, flo, fhi, hi) of an item's warpgroup `wg` from the visit table."""
   u_lo, u_hi = tab_ref[batch, tile, 0], tab_ref[batch, tile, 1]
   base = 2 + 4 * wg
   return (u_lo, u_hi, *(tab_ref[batch, tile, base + i] for i in range(4)))
@@ -210,8 +209,7 @@ def compute_loops(ranges, origin, carry, step, stages: int, ready, consumed, ski
 
 
 def causal_mask(scores, k_pos, q_pos, key_axis: int):
-  """`scores` where the key position (`k_pos`, along `key_axis`) is at most the query's, else
-  -inf."""
+  """`scores` where the key position (`k_pos`, along `key_axis`) is <= the query's, else -inf."""
   visible = (broadcast(k_pos, scores.shape, key_axis)
              <= broadcast(q_pos, scores.shape, 1 - key_axis))
   return jnp.where(visible, scores, float("-inf"))

@@ -327,14 +327,13 @@ def _prepare(q, k, v, delta, positions, *, is_causal, plan):
   """Operands: padded q, the query phase -δ, raw k (`_forward` maps and pads it), padded v,
   `_positions`' arrays, and per kernel its visit table and `st.launch_schedule`."""
   bsz, t_len, n_heads, h = q.shape
-  s_len, vd = k.shape[1], v.shape[-1]
+  s_len = k.shape[1]
   # δ on the query side as -δ (the same score as δ on the keys, Eq. 5).
   phase = jnp.zeros((n_heads, h), jnp.float32) if delta is None else -delta.astype(jnp.float32)
   angle_pos, q_table, k_trig, qp, kp, visits = positions
   t_pad, s_pad = qp.shape[1], kp.shape[1]
-  v_pad = -(-vd // 64) * 64
   qr = _pad_to(q, t_pad, 1)
-  vp = _pad_to(_pad_to(v, s_pad, 1), v_pad, 3)
+  vp = _pad_to(_pad_to(v, s_pad, 1), plan.inference.vd, 3)  # V to a multiple of 64 (`_plan`)
   offset = max(s_len - t_len, 0)
 
   def schedule(row_block, col_block, rows_are_queries, wgs):
