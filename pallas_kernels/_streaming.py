@@ -159,27 +159,20 @@ def for_each_item(schedule_ref):
   return lambda body, carry: lax.fori_loop(0, count, lambda j, c: body(item_of(j), c), carry)
 
 
-def item_coords(item, n_heads: int, n_tiles: int):
-  """(batch, head, rank) of a flat item index: heads vary fastest, then the rank (0 = the
-  longest resident tile under a causal mask; the caller maps ranks to tiles), then the batch."""
-  return lax.div(item, n_heads * n_tiles), lax.rem(item, n_heads), lax.rem(
+def item_coords(item, n_heads: int, n_tiles: int, *, last_tile_first: bool):
+  """(batch, head, resident tile) of a flat item index: heads vary fastest, then the rank,
+  then the batch. Rank 0 is the tile that sees the most of the stream under a causal mask: the
+  last one with `last_tile_first` (resident queries), else tile 0 (resident keys)."""
+  batch, head, rank = lax.div(item, n_heads * n_tiles), lax.rem(item, n_heads), lax.rem(
       lax.div(item, n_heads), n_tiles)
-
-
-def last_tile_first(item, n_heads: int, n_tiles: int):
-  """(batch, head, resident query tile) of an item (`item_coords`): under a causal mask the last
-  query tile sees the most keys, so rank 0 is the last tile."""
-  batch, head, rank = item_coords(item, n_heads, n_tiles)
-  return batch, head, n_tiles - 1 - rank
+  return batch, head, n_tiles - 1 - rank if last_tile_first else rank
 
 
 def read_ranges(tab_ref, batch, tile, wg):
-  """(u_lo, u_hi, lo, flo, fhi, hi) scalars of a resident tile group (an item) and warpgroup
-  from the visit table."""
+  """(u_lo, u_hi, lo, flo, fhi, hi) of an item's warpgroup `wg` from the visit table."""
   u_lo, u_hi = tab_ref[batch, tile, 0], tab_ref[batch, tile, 1]
   base = 2 + 4 * wg
-  lo, flo, fhi, hi = (tab_ref[batch, tile, base + i] for i in range(4))
-  return u_lo, u_hi, lo, flo, fhi, hi
+  return (u_lo, u_hi, *(tab_ref[batch, tile, base + i] for i in range(4)))
 
 
 def load_resident(copies, wg, barriers) -> None:
@@ -216,8 +209,7 @@ def compute_loops(ranges, origin, carry, step, stages: int, ready, consumed, ski
 
 
 def causal_mask(scores, k_pos, q_pos, key_axis: int):
-  """`scores` where the key position (`k_pos`, along `key_axis`) is at most the query's, else
-  -inf."""
+  """`scores` where the key position (`k_pos`, along `key_axis`) is <= the query's, else -inf."""
   visible = (broadcast(k_pos, scores.shape, key_axis)
              <= broadcast(q_pos, scores.shape, 1 - key_axis))
   return jnp.where(visible, scores, float("-inf"))
@@ -225,22 +217,19 @@ def causal_mask(scores, k_pos, q_pos, key_axis: int):
 
 # --- The memory warpgroup: one ring of SMEM slots over all of a CTA's items.
 
-def ready_barrier(stages: int, copies_per_step: int):
-  """Per slot, the barrier that the step's `copies_per_step` TMA copies complete together."""
-  return plgpu.Barrier(num_arrivals=copies_per_step, num_barriers=stages)
-
-
-def memory_warpgroup(for_items, stages: int, consumed, ready, visit, copies,
+def memory_warpgroup(for_items, tile_of, tab_ref, copies, stages: int, consumed, ready,
                      registers: int = 40):
-  """The TMA warpgroup of every kernel here. For each item (`for_items`), step s of its range
-  `visit(item)` = (u_lo, u_hi) is the ring's step n = base + s - u_lo: once step n - stages
+  """The TMA warpgroup of every kernel here. For each item (`for_items`), whose resident tile
+  tile_of(item) = (batch, ..., tile) visits the steps [u_lo, u_hi) of `tab_ref`
+  (`visit_table`), step s is the ring's step n = base + s - u_lo: once step n - stages
   released slot n % stages, each (gmem ref, smem buffers) of `copies(item, s)` is copied into
   it, signalling the slot's `ready` barrier, so the next item's copies overlap this one's math.
   At the end it waits for the release of the ring's last steps."""
   plgpu.set_max_registers(registers, action="decrease")
 
   def item_body(item, base):
-    u_lo, u_hi = visit(item)
+    coords = tile_of(item)
+    u_lo, u_hi = tab_ref[coords[0], coords[-1], 0], tab_ref[coords[0], coords[-1], 1]
 
     def step(s, _):
       n = base + s - u_lo
@@ -253,17 +242,13 @@ def memory_warpgroup(for_items, stages: int, consumed, ready, visit, copies,
 
       for src, dst in copies(item, s):
         plgpu.copy_gmem_to_smem(src, dst.at[slot], ready.at[slot])
-      return None
 
     lax.fori_loop(u_lo, u_hi, step, None)
     return base + u_hi - u_lo
 
-  def drain(n, _):
-    plgpu.barrier_wait(consumed.at[lax.rem(n, stages)])
-    return None
-
   steps = for_items(item_body, jnp.int32(0))
-  lax.fori_loop(jnp.maximum(steps - stages, 0), steps, drain, None)
+  lax.fori_loop(jnp.maximum(steps - stages, 0), steps,
+                lambda n, _: plgpu.barrier_wait(consumed.at[lax.rem(n, stages)]), None)
 
 
 def stream_keys(for_items, tile_of, tab_ref, gmem, smem, group: int, block_kv: int,
@@ -271,10 +256,6 @@ def stream_keys(for_items, tile_of, tab_ref, gmem, smem, group: int, block_kv: i
   """`memory_warpgroup` of the kernels with resident queries (forward, dq): per step the
   `gmem` (b [B, S, K, D], v [B, S, K, V], key positions [B, S]) rows into `smem`'s slots;
   `group` query heads per kv head."""
-  def visit(item):
-    batch, _, tile = tile_of(item)
-    return tab_ref[batch, tile, 0], tab_ref[batch, tile, 1]
-
   def copies(item, s):
     batch, head, _ = tile_of(item)
     kv_head = lax.div(head, jnp.int32(group))
@@ -283,7 +264,7 @@ def stream_keys(for_items, tile_of, tab_ref, gmem, smem, group: int, block_kv: i
     return zip((b_ref.at[batch, cols, kv_head], v_ref.at[batch, cols, kv_head],
                 kpos_ref.at[batch, cols]), smem)
 
-  memory_warpgroup(for_items, stages, consumed, ready, visit, copies, registers)
+  memory_warpgroup(for_items, tile_of, tab_ref, copies, stages, consumed, ready, registers)
 
 
 # --- SMEM budget, platform and compiler settings.
@@ -353,8 +334,7 @@ def tile_transforms(width: int = 64):
 # --- The magnitude map (PoPE Eq. 3).
 
 # log1p(e) = e·P(e) on [0, 1], P of degree 6 with P(0) = 1, fitted to the relative error.
-_LOG1P_COEFFS = (1.0, -0.49990746, 0.33140427, -0.23611341, 0.15102765, -0.06785116,
-                 0.014588303)
+_LOG1P_COEFFS = (1.0, -0.49990746, 0.33140427, -0.23611341, 0.15102765, -0.06785116, 0.014588303)
 # `softplus`'s relative error bound against the exact softplus, every float32 x.
 SOFTPLUS_RTOL = 2e-6
 

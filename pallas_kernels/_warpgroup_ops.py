@@ -123,7 +123,6 @@ def warp_any(flags: jax.Array) -> jax.Array:
         lane = bit if lane is None else arith.ori(lane, bit)
     assert lane.type == i1, lane.type
     full_mask = arith.constant(ir.IntegerType.get_signless(32), 0xFFFFFFFF)
-    return mgpu.FragmentedArray.splat(nvvm.vote_sync(full_mask, lane, "any"), (),
-                                      is_signed=False)
+    return mgpu.FragmentedArray.splat(nvvm.vote_sync(full_mask, lane, "any"), (), is_signed=False)
 
   return vote(flags)

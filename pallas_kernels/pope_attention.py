@@ -233,15 +233,14 @@ def _flash_bwd(plan, magnitude_scale, cartesian_map, key_len, res, d_out):
   delta = jnp.einsum("btnv,btnv->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
   d_out = d_out.astype(a.dtype)
   args = (a, b, v, d_out, lse, delta, o.q_pos, o.k_pos)
-  tables = o.tables
   h = a.shape[-1] // 2
   if not query:  # The dq kernel maps da: dq and each angle's gradient, summed into the phase's.
-    dq_angle = pope_attention_dq(*args, *tables[1], blocks=blocks,
+    dq_angle = pope_attention_dq(*args, *o.tables[1], blocks=blocks,
                                  magnitude_scale=magnitude_scale)
     dq = dq_angle[..., :h]
     dphase = dq_angle[..., h:].astype(jnp.float32).sum((0, 1))
   else:  # da through the reference map's VJP (float32), as the kernel's `cartesian_halves`.
-    da = pope_attention_dq(*args, *tables[1], blocks=blocks, magnitude_scale=None)
+    da = pope_attention_dq(*args, *o.tables[1], blocks=blocks, magnitude_scale=None)
     if cartesian_map is None:
       raise ValueError("float16 gradients of pallas PoPE attention need `cartesian_map` (the "
                        "reference map `pope_jax.encodings.polar_to_cartesian`)")
@@ -250,7 +249,7 @@ def _flash_bwd(plan, magnitude_scale, cartesian_map, key_len, res, d_out):
       return (cartesian_map(q, ang, phase) * magnitude_scale).astype(q.dtype)
     _, map_vjp = jax.vjp(query_map, *query)
     dq, dphase = map_vjp(da)
-  dk, dv = pope_attention_dkv(*args, *tables[2], blocks=blocks)
+  dk, dv = pope_attention_dkv(*args, *o.tables[2], blocks=blocks)
   bsz, s_pad, kv_heads = b.shape[:3]
   group = a.shape[2] // kv_heads
   if group > 1:
@@ -328,20 +327,17 @@ def _prepare(q, k, v, delta, positions, *, is_causal, plan):
   """Operands: padded q, the query phase -δ, raw k (`_forward` maps and pads it), padded v,
   `_positions`' arrays, and per kernel its visit table and `st.launch_schedule`."""
   bsz, t_len, n_heads, h = q.shape
-  s_len, vd = k.shape[1], v.shape[-1]
+  s_len = k.shape[1]
   # δ on the query side as -δ (the same score as δ on the keys, Eq. 5).
-  phase = (jnp.zeros((n_heads, h), jnp.float32) if delta is None
-           else -delta.astype(jnp.float32))
+  phase = jnp.zeros((n_heads, h), jnp.float32) if delta is None else -delta.astype(jnp.float32)
   angle_pos, q_table, k_trig, qp, kp, visits = positions
   t_pad, s_pad = qp.shape[1], kp.shape[1]
-  v_pad = -(-vd // 64) * 64
   qr = _pad_to(q, t_pad, 1)
-  vp = _pad_to(_pad_to(v, s_pad, 1), v_pad, 3)
+  vp = _pad_to(_pad_to(v, s_pad, 1), plan.inference.vd, 3)  # V to a multiple of 64 (`_plan`)
   offset = max(s_len - t_len, 0)
 
   def schedule(row_block, col_block, rows_are_queries, wgs):
-    n_rows = t_pad if rows_are_queries else s_pad
-    n_cols = s_pad if rows_are_queries else t_pad
+    n_rows, n_cols = (t_pad, s_pad) if rows_are_queries else (s_pad, t_pad)
     tile_rows = wgs * row_block
     n_tiles = -(-n_rows // tile_rows)
     steps = st.causal_steps(n_tiles, tile_rows, n_cols, col_block, offset,
@@ -411,11 +407,9 @@ def pope_attention(q, k, v, delta=None, *, frequencies, q_positions, k_positions
     ValueError: q, k, v that do not agree, concrete positions of magnitude MAX_POSITION or
       more, or `block_sizes` whose buffers do not fit in SMEM.
   """
-  reason = unsupported_reason(q, k, v)
-  if reason is not None:
+  if reason := unsupported_reason(q, k, v):
     raise (ValueError if reason == _mismatch(q, k, v) else NotImplementedError)(reason)
-  reason = platform_reason()
-  if reason is not None:
+  if reason := platform_reason():
     raise NotImplementedError(reason)
   h = q.shape[-1]
   plan = _plan(default_block_sizes(h) if block_sizes is None else block_sizes, h, v.shape[-1],

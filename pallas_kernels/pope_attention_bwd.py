@@ -51,6 +51,32 @@ def cartesian_vjp(cart, d_cart, magnitude_scale: float):
   return g * (dc * c + ds * s), ds * c - dc * s
 
 
+def _tiles(count: int, rows: int, names, d: int, vd: int, dtype) -> dict:
+  """SMEM buffers of `count` tiles of `rows` rows by operand name, in the order of `names`:
+  a, b [rows, D] and do, v [rows, V] in `dtype`; lse, delta, qpos, kpos [rows] float32."""
+  widths = {"a": d, "b": d, "do": vd, "v": vd}
+  return {n: plgpu.SMEM((count, rows, widths[n]), dtype, transforms=st.tile_transforms())
+          if n in widths else plgpu.SMEM((count, rows), jnp.float32) for n in names}
+
+
+def _fork(sched_ref, item_body, memory) -> None:
+  """A backward kernel's warpgroups: each compute warpgroup wg runs base = item_body(item,
+  base, wg) over its CTA's items (base: the ring's step at the item's first step) and awaits
+  its stores; the memory warpgroup runs memory(for_items) (`st.for_each_item`)."""
+  wg = lax.axis_index("wg")
+  for_items = st.for_each_item(sched_ref)
+
+  @pl.when(wg < st.COMPUTE_WGS)
+  def _compute():
+    plgpu.set_max_registers(232, action="increase")
+    for_items(lambda item, base: item_body(item, base, wg), jnp.int32(0))
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == st.COMPUTE_WGS)
+  def _memory():
+    memory(for_items)
+
+
 @functools.partial(jax.jit, static_argnames=('blocks', 'magnitude_scale'))
 def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
                       blocks: BlockSizes,
@@ -68,94 +94,77 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
   Returns:
     [B, T, N, D] in a's dtype: [dq | dφ] (each element's angle gradient; the phase's is its
     sum over B and T) with `magnitude_scale`, else da.
+
+  Raises:
+    ValueError: the buffers exceed SMEM.
   """
   bsz, t_len, n_heads, d = a.shape
   vd = v.shape[-1]
   group = n_heads // b.shape[2]
   bq, bk, stages = blocks.block_q_dq, blocks.block_kv_dq, blocks.stages
   dtype = a.dtype
-  n_tiles = t_len // (st.COMPUTE_WGS * bq)
-  grid = schedule.shape[0]
+  wgs = st.COMPUTE_WGS
+  n_tiles = t_len // (wgs * bq)
 
   def pope_dq_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
                      tab_ref, sched_ref, dq_ref, a_smem, do_smem, lse_smem, delta_smem,
                      qpos_smem, b_smem, v_smem, kpos_smem, res_bar, ready, consumed):
-    wg = lax.axis_index("wg")
-    for_items = st.for_each_item(sched_ref)
+    tile_of = lambda item: st.item_coords(item, n_heads, n_tiles, last_tile_first=True)
 
-    tile_of = lambda item: st.last_tile_first(item, n_heads, n_tiles)
+    def item_body(item, base, wg):
+      batch, head, tile = tile_of(item)
+      rows = pl.ds((tile * wgs + wg) * bq, bq)
+      loads = ((a_ref.at[batch, rows, head], a_smem), (do_ref.at[batch, rows, head], do_smem),
+               (lse_ref.at[batch, head, rows], lse_smem),
+               (delta_ref.at[batch, head, rows], delta_smem),
+               (qpos_ref.at[batch, rows], qpos_smem))
+      st.load_resident(loads, wg, res_bar)
+      lse = st.row_vector(lse_smem.at[wg], 0)
+      dlt = st.row_vector(delta_smem.at[wg], 0)
+      qpos = st.row_vector(qpos_smem.at[wg], 0)
+      ranges = st.read_ranges(tab_ref, batch, tile, wg)
+      origin = ranges[0] - base  # this item's first step is the ring's step `base`
 
-    @pl.when(wg < st.COMPUTE_WGS)
-    def _compute():
-      plgpu.set_max_registers(232, action="increase")
+      def step(slot, dq_acc, mode):
+        def probs(s_blk):
+          if mode == "masked":
+            s_blk = st.causal_mask(s_blk, st.row_vector(kpos_smem.at[slot], 1), qpos, 1)
+          return jnp.exp2(s_blk - st.broadcast(lse, (bq, bk), 0))
 
-      def item_body(item, base):
-        batch, head, tile = tile_of(item)
-        rows = pl.ds((tile * st.COMPUTE_WGS + wg) * bq, bq)
-        loads = ((a_ref.at[batch, rows, head], a_smem), (do_ref.at[batch, rows, head], do_smem),
-                 (lse_ref.at[batch, head, rows], lse_smem),
-                 (delta_ref.at[batch, head, rows], delta_smem),
-                 (qpos_ref.at[batch, rows], qpos_smem))
-        st.load_resident(loads, wg, res_bar)
-        lse = st.row_vector(lse_smem.at[wg], 0)
-        dlt = st.row_vector(delta_smem.at[wg], 0)
-        qpos = st.row_vector(qpos_smem.at[wg], 0)
-        ranges = st.read_ranges(tab_ref, batch, tile, wg)
-        origin = ranges[0] - base  # this item's first step is the ring's step `base`
+        _, (dq_acc,) = ops.gradient_step(
+            (a_smem.at[wg], b_smem.at[slot].transpose((1, 0)), (bq, bk)),
+            (do_smem.at[wg], v_smem.at[slot].transpose((1, 0)), (bq, bk)),
+            probs, lambda p, dp: p * (dp - st.broadcast(dlt, (bq, bk), 0)),
+            (), ((dq_acc, b_smem.at[slot]),), dtype, overlap=blocks.overlap_bwd)
+        return dq_acc
 
-        def step(slot, dq_acc, mode):
-          def probs(s_blk):
-            if mode == "masked":
-              s_blk = st.causal_mask(s_blk, st.row_vector(kpos_smem.at[slot], 1), qpos, 1)
-            return jnp.exp2(s_blk - st.broadcast(lse, (bq, bk), 0))
+      dq_acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
+      dq_acc = st.compute_loops(ranges, origin, dq_acc, step, stages, ready, consumed)
+      if magnitude_scale is None:
+        a_smem.at[wg][...] = (dq_acc * _LN2).astype(dtype)
+      else:
+        dq, d_angle = cartesian_vjp(plgpu.load(a_smem.at[wg], layout=plgpu.Layout.WGMMA),
+                                    dq_acc * _LN2, magnitude_scale)
+        a_smem.at[wg][...] = plgpu.layout_cast(jnp.concatenate(
+            [dq.astype(dtype), d_angle.astype(dtype)], axis=1), plgpu.Layout.WGMMA)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(a_smem.at[wg], dq_ref.at[batch, rows, head])
+      return base + ranges[1] - ranges[0]
 
-          _, (dq_acc,) = ops.gradient_step(
-              (a_smem.at[wg], b_smem.at[slot].transpose((1, 0)), (bq, bk)),
-              (do_smem.at[wg], v_smem.at[slot].transpose((1, 0)), (bq, bk)),
-              probs, lambda p, dp: p * (dp - st.broadcast(dlt, (bq, bk), 0)),
-              (), ((dq_acc, b_smem.at[slot]),), dtype, overlap=blocks.overlap_bwd)
-          return dq_acc
+    _fork(sched_ref, item_body, lambda for_items: st.stream_keys(
+        for_items, tile_of, tab_ref, (b_ref, v_ref, kpos_ref), (b_smem, v_smem, kpos_smem),
+        group, bk, stages, consumed, ready))
 
-        dq_acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
-        dq_acc = st.compute_loops(ranges, origin, dq_acc, step, stages, ready, consumed)
-        if magnitude_scale is None:
-          a_smem.at[wg][...] = (dq_acc * _LN2).astype(dtype)
-        else:
-          dq, d_angle = cartesian_vjp(plgpu.load(a_smem.at[wg], layout=plgpu.Layout.WGMMA),
-                                      dq_acc * _LN2, magnitude_scale)
-          a_smem.at[wg][...] = plgpu.layout_cast(jnp.concatenate(
-              [dq.astype(dtype), d_angle.astype(dtype)], axis=1), plgpu.Layout.WGMMA)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(a_smem.at[wg], dq_ref.at[batch, rows, head])
-        return base + ranges[1] - ranges[0]
-
-      for_items(item_body, jnp.int32(0))
-      plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg == st.COMPUTE_WGS)
-    def _memory():
-      st.stream_keys(for_items, tile_of, tab_ref, (b_ref, v_ref, kpos_ref),
-                     (b_smem, v_smem, kpos_smem), group, bk, stages, consumed, ready)
-
-  tf = st.tile_transforms()
-  wgs = st.COMPUTE_WGS
-  scratch = [
-      plgpu.SMEM((wgs, bq, d), dtype, transforms=tf),
-      plgpu.SMEM((wgs, bq, vd), dtype, transforms=tf),
-      plgpu.SMEM((wgs, bq), jnp.float32),
-      plgpu.SMEM((wgs, bq), jnp.float32),
-      plgpu.SMEM((wgs, bq), jnp.float32),
-      plgpu.SMEM((stages, bk, d), dtype, transforms=tf),
-      plgpu.SMEM((stages, bk, vd), dtype, transforms=tf),
-      plgpu.SMEM((stages, bk), jnp.float32),
-      plgpu.Barrier(num_barriers=5 * wgs),
-      st.ready_barrier(stages, 3),
-      plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-  ]
+  resident = _tiles(wgs, bq, ("a", "do", "lse", "delta", "qpos"), d, vd, dtype)
+  streamed = _tiles(stages, bk, ("b", "v", "kpos"), d, vd, dtype)
+  scratch = [*resident.values(), *streamed.values(), plgpu.Barrier(num_barriers=5 * wgs),
+             plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+             plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)]
   st.check_smem(scratch, "dq", f"lower BlockSizes.stages ({stages}), block_q_dq ({bq}) or "
                 f"block_kv_dq ({bk})")
-  return st.launch(pope_dq_kernel, jax.ShapeDtypeStruct(a.shape, dtype), scratch, ctas=grid,
-                   compute_wgs=wgs)(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
+  return st.launch(pope_dq_kernel, jax.ShapeDtypeStruct(a.shape, dtype), scratch,
+                   ctas=schedule.shape[0], compute_wgs=wgs)(a, b, v, do, lse, delta, q_pos,
+                                                           k_pos, table, schedule)
 
 
 def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
@@ -171,10 +180,8 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
     dk [B, S, N, H] and dv [B, S, N, V] in a's dtype.
   """
   args = (a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
-  if blocks.split_dkv:
-    return _dkv(*args, blocks=blocks, outputs=("dk",)) + _dkv(*args, blocks=blocks,
-                                                                outputs=("dv",))
-  return _dkv(*args, blocks=blocks, outputs=("dk", "dv"))
+  launches = (("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)
+  return sum((_dkv(*args, blocks=blocks, outputs=outputs) for outputs in launches), ())
 
 
 @functools.partial(jax.jit, static_argnames=('blocks', 'outputs'))
@@ -189,139 +196,98 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outp
   dtype = a.dtype
   wgs = st.COMPUTE_WGS
   n_tiles = s_len // (wgs * bk)
-  grid = schedule.shape[0]
-  resident, streamed, scratch, dk_in_v = _dkv_scratch(a, v, blocks, outputs)
+  # dv alone needs neither v nor Δ (v's tile stages dv's store).
+  resident = ("b", "kpos") + (("v",) if want_dk else ())
+  streamed = ("a", "do", "lse", "qpos") + (("delta",) if want_dk else ())
+
+  def scratch_types(dk_in_v: bool):
+    res_types = _tiles(wgs, bk, ("b", "v", "kpos"), d, vd, dtype)
+    if want_dk and not dk_in_v:
+      res_types["dk"] = plgpu.SMEM((wgs, bk, h), dtype, transforms=st.tile_transforms(h))
+    return (res_types, _tiles(stages, bq, streamed, d, vd, dtype),
+            plgpu.Barrier(num_barriers=len(resident) * wgs),
+            plgpu.Barrier(num_arrivals=len(streamed), num_barriers=stages),
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages))
+
+  # dk is staged in v's tile where V = H and there is no dv or no room for dk's own tile.
+  dk_in_v = want_dk and vd == h and (
+      not want_dv or st.smem_bytes(scratch_types(False)) > st.smem_limit())
+  scratch = scratch_types(dk_in_v)
 
   def pope_dkv_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
                       tab_ref, sched_ref, out_refs, smem, str_smem, res_bar, ready, consumed):
-    wg = lax.axis_index("wg")
-    for_items = st.for_each_item(sched_ref)
-
     def tile_of(item):
-      """(batch, head, kv head, resident tile) of an item. Key tile 0 sees the most queries
-      under a causal mask: the rank order is longest-first as it is."""
-      batch, head, rank = st.item_coords(item, n_heads, n_tiles)
+      """(batch, head, kv head, resident key tile) of an item."""
+      batch, head, rank = st.item_coords(item, n_heads, n_tiles, last_tile_first=False)
       return batch, head, lax.div(head, jnp.int32(group)), rank
 
-    @pl.when(wg < wgs)
-    def _compute():
-      plgpu.set_max_registers(232, action="increase")
+    def item_body(item, base, wg):
+      batch, head, kv_head, tile = tile_of(item)
+      cols = pl.ds((tile * wgs + wg) * bk, bk)
+      src = {"b": b_ref.at[batch, cols, kv_head], "v": v_ref.at[batch, cols, kv_head],
+             "kpos": kpos_ref.at[batch, cols]}
+      st.load_resident([(src[name], smem[name]) for name in resident], wg, res_bar)
+      b_smem = smem["b"]
+      kpos = st.row_vector(smem["kpos"].at[wg], 0)
+      ranges = st.read_ranges(tab_ref, batch, tile, wg)
+      origin = ranges[0] - base  # this item's first step is the ring's step `base`
 
-      def item_body(item, base):
-        batch, head, kv_head, tile = tile_of(item)
-        cols = pl.ds((tile * wgs + wg) * bk, bk)
-        src = {"b": b_ref.at[batch, cols, kv_head], "v": v_ref.at[batch, cols, kv_head],
-               "kpos": kpos_ref.at[batch, cols]}
-        st.load_resident([(src[name], smem[name]) for name in resident], wg, res_bar)
-        b_smem = smem["b"]
-        kpos = st.row_vector(smem["kpos"].at[wg], 0)
-        ranges = st.read_ranges(tab_ref, batch, tile, wg)
-        origin = ranges[0] - base  # this item's first step is the ring's step `base`
+      def step(slot, accs, mode):
+        accs = dict(zip(outputs, accs))
+        a_smem, do_smem = str_smem["a"], str_smem["do"]
 
-        def step(slot, accs, mode):
-          accs = dict(zip(outputs, accs))
-          a_smem, do_smem = str_smem["a"], str_smem["do"]
+        def probs(s_t):
+          if mode == "masked":
+            s_t = st.causal_mask(s_t, kpos, st.row_vector(str_smem["qpos"].at[slot], 1), 0)
+          lse = st.row_vector(str_smem["lse"].at[slot], 1)
+          return jnp.exp2(s_t - st.broadcast(lse, (bk, bq), 1))
 
-          def probs(s_t):
-            if mode == "masked":
-              s_t = st.causal_mask(s_t, kpos, st.row_vector(str_smem["qpos"].at[slot], 1), 0)
-            lse = st.row_vector(str_smem["lse"].at[slot], 1)
-            return jnp.exp2(s_t - st.broadcast(lse, (bk, bq), 1))
+        def ds_of(p_t, dp_t):
+          dlt = st.row_vector(str_smem["delta"].at[slot], 1)
+          return p_t * (dp_t - st.broadcast(dlt, (bk, bq), 1))
 
-          def ds_of(p_t, dp_t):
-            dlt = st.row_vector(str_smem["delta"].at[slot], 1)
-            return p_t * (dp_t - st.broadcast(dlt, (bk, bq), 1))
+        p_terms = ((accs["dv"], do_smem.at[slot]),) if want_dv else ()
+        ds_terms = ((accs["dk"], a_smem.at[slot]),) if want_dk else ()
+        p_accs, ds_accs = ops.gradient_step(
+            (b_smem.at[wg], a_smem.at[slot].transpose((1, 0)), (bk, bq)),
+            (smem["v"].at[wg], do_smem.at[slot].transpose((1, 0)), (bk, bq)),
+            probs, ds_of, p_terms, ds_terms, dtype, overlap=blocks.overlap_bwd)
+        accs.update(zip(("dv",) * want_dv + ("dk",) * want_dk, p_accs + ds_accs))
+        return tuple(accs[o] for o in outputs)
 
-          p_terms = ((accs["dv"], do_smem.at[slot]),) if want_dv else ()
-          ds_terms = ((accs["dk"], a_smem.at[slot]),) if want_dk else ()
-          p_accs, ds_accs = ops.gradient_step(
-              (b_smem.at[wg], a_smem.at[slot].transpose((1, 0)), (bk, bq)),
-              (smem["v"].at[wg], do_smem.at[slot].transpose((1, 0)), (bk, bq)),
-              probs, ds_of, p_terms, ds_terms, dtype, overlap=blocks.overlap_bwd)
-          accs.update(zip(("dv",) * want_dv + ("dk",) * want_dk, p_accs + ds_accs))
-          return tuple(accs[o] for o in outputs)
+      widths = {"dk": d, "dv": vd}  # The dk accumulator holds db (D wide).
+      accs = tuple(plgpu.layout_cast(jnp.zeros((bk, widths[o]), jnp.float32),
+                                     plgpu.Layout.WGMMA) for o in outputs)
+      accs = dict(zip(outputs, st.compute_loops(ranges, origin, accs, step, stages, ready,
+                                                consumed)))
+      if want_dk:  # db through the key map's VJP (s = 1): the raw keys' gradient.
+        accs["dk"], _ = cartesian_vjp(plgpu.load(smem["b"].at[wg], layout=plgpu.Layout.WGMMA),
+                                      accs["dk"] * _LN2, 1.0)
+      stage = {"dk": smem["v"] if dk_in_v else smem.get("dk"), "dv": smem["v"]}
+      for i, o in enumerate(outputs):  # each output staged in SMEM and stored
+        if i and dk_in_v:  # The previous output's store must have read the shared tile.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        stage[o].at[wg][...] = accs[o].astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage[o].at[wg], out_refs[o].at[batch, cols, head])
+      return base + ranges[1] - ranges[0]
 
-        widths = {"dk": d, "dv": vd}  # The dk accumulator holds db (D wide).
-        accs = tuple(plgpu.layout_cast(jnp.zeros((bk, widths[o]), jnp.float32),
-                                       plgpu.Layout.WGMMA) for o in outputs)
-        accs = dict(zip(outputs, st.compute_loops(ranges, origin, accs, step, stages, ready,
-                                                  consumed)))
-        _store_dkv(accs, smem, wg, out_refs, (batch, cols, head), outputs, dk_in_v, dtype)
-        return base + ranges[1] - ranges[0]
+    def copies(item, s):
+      batch, head, _, _ = tile_of(item)
+      rows = pl.ds(s * bq, bq)
+      src = {"a": a_ref.at[batch, rows, head], "do": do_ref.at[batch, rows, head],
+             "lse": lse_ref.at[batch, head, rows], "delta": delta_ref.at[batch, head, rows],
+             "qpos": qpos_ref.at[batch, rows]}
+      return tuple((src[n], str_smem[n]) for n in streamed)
 
-      for_items(item_body, jnp.int32(0))
-      plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg == wgs)
-    def _memory():
-      def visit(item):
-        batch, _, _, tile = tile_of(item)
-        return tab_ref[batch, tile, 0], tab_ref[batch, tile, 1]
-
-      def copies(item, s):
-        batch, head, _, _ = tile_of(item)
-        rows = pl.ds(s * bq, bq)
-        src = {"a": a_ref.at[batch, rows, head], "do": do_ref.at[batch, rows, head],
-               "lse": lse_ref.at[batch, head, rows], "delta": delta_ref.at[batch, head, rows],
-               "qpos": qpos_ref.at[batch, rows]}
-        return tuple((src[n], str_smem[n]) for n in streamed)
-
-      st.memory_warpgroup(for_items, stages, consumed, ready, visit, copies)
+    _fork(sched_ref, item_body, lambda for_items: st.memory_warpgroup(
+        for_items, tile_of, tab_ref, copies, stages, consumed, ready))
 
   st.check_smem(scratch, "dk/dv", f"lower BlockSizes.stages ({stages}), block_kv_dkv ({bk}) or "
                 f"block_q_dkv ({bq})")
   shapes = {"dk": (bsz, s_len, n_heads, h), "dv": (bsz, s_len, n_heads, vd)}
   out = st.launch(pope_dkv_kernel, {o: jax.ShapeDtypeStruct(shapes[o], dtype) for o in outputs},
-                  scratch, ctas=grid, compute_wgs=wgs)(a, b, v, do, lse, delta, q_pos, k_pos,
-                                                       table, schedule)
+                  scratch, ctas=schedule.shape[0], compute_wgs=wgs)(
+                      a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
   return tuple(out[o] for o in outputs)
 
-
-def _dkv_scratch(a, v, blocks: BlockSizes, outputs: tuple[str, ...]):
-  """SMEM plan of the dk/dv kernel: (resident names, streamed names, scratch, dk_in_v). dv
-  alone needs neither v nor Δ (v's tile stages dv's store). dk is staged in v's tile when V = H
-  and there is no dv or no room for its own tile."""
-  want_dk, want_dv = "dk" in outputs, "dv" in outputs
-  d, vd, dtype = a.shape[-1], v.shape[-1], a.dtype
-  h = d // 2
-  bk, bq, stages = blocks.block_kv_dkv, blocks.block_q_dkv, blocks.stages
-  wgs = st.COMPUTE_WGS
-  resident = ("b", "kpos") + (("v",) if want_dk else ())
-  streamed = ("a", "do", "lse", "qpos") + (("delta",) if want_dk else ())
-  tf = st.tile_transforms()
-  str_types = {"a": plgpu.SMEM((stages, bq, d), dtype, transforms=tf),
-               "do": plgpu.SMEM((stages, bq, vd), dtype, transforms=tf),
-               "lse": plgpu.SMEM((stages, bq), jnp.float32),
-               "delta": plgpu.SMEM((stages, bq), jnp.float32),
-               "qpos": plgpu.SMEM((stages, bq), jnp.float32)}
-
-  def scratch_types(dk_in_v: bool):
-    res_types = {"b": plgpu.SMEM((wgs, bk, d), dtype, transforms=tf),
-                 "v": plgpu.SMEM((wgs, bk, vd), dtype, transforms=tf),
-                 "kpos": plgpu.SMEM((wgs, bk), jnp.float32)}
-    if want_dk and not dk_in_v:
-      res_types["dk"] = plgpu.SMEM((wgs, bk, h), dtype, transforms=st.tile_transforms(h))
-    return (res_types, {n: str_types[n] for n in streamed},
-            plgpu.Barrier(num_barriers=len(resident) * wgs),
-            st.ready_barrier(stages, len(streamed)),
-            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages))
-
-  dk_in_v = want_dk and vd == h and (
-      not want_dv or st.smem_bytes(scratch_types(False)) > st.smem_limit())
-  scratch = scratch_types(dk_in_v)
-  return resident, streamed, scratch, dk_in_v
-
-
-def _store_dkv(accs, smem, wg, out_refs, dst, outputs, dk_in_v: bool, dtype):
-  """Epilogue of one key tile: dk from db (`cartesian_vjp`, s = 1), then each output of
-  `accs` (float32 [bk, width]) staged in SMEM and stored to `out_refs[o].at[dst]`."""
-  if "dk" in outputs:  # db through the key map's VJP (s = 1): the raw keys' gradient.
-    accs["dk"], _ = cartesian_vjp(plgpu.load(smem["b"].at[wg], layout=plgpu.Layout.WGMMA),
-                                  accs["dk"] * _LN2, 1.0)
-  stage = {"dk": smem["v"] if dk_in_v else smem.get("dk"), "dv": smem["v"]}
-  for i, o in enumerate(outputs):
-    if i and dk_in_v:  # The previous output's store must have read the shared tile.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    stage[o].at[wg][...] = accs[o].astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(stage[o].at[wg], out_refs[o].at[dst])

@@ -132,7 +132,7 @@ def _scratch(p: ForwardPlan) -> dict:
       "kpos_smem": plgpu.SMEM((stages, bk), jnp.float32),
       "q_bar": plgpu.Barrier(num_arrivals=3 + len(trig), num_barriers=wgs),
       "qpos_bar": plgpu.Barrier(num_barriers=wgs),
-      "ready": st.ready_barrier(stages, 3),
+      "ready": plgpu.Barrier(num_arrivals=3, num_barriers=stages),
       "consumed": plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
       # the ping-pong handshake (with three warpgroups unused, as in the tuned programs)
       "handshake_bar": (plgpu.Barrier(num_arrivals=wgs) if wgs == 2
@@ -172,15 +172,12 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
       `plan.bounded`, or the buffers exceed SMEM.
   """
   bsz, t_len, n_heads, h = q.shape
-  kv_heads, vd = v.shape[2:]
+  vd = v.shape[-1]
   if trig.ndim != (4 if plan.tables else 2):
     raise ValueError(f"trig has shape {trig.shape}; the plan's tables are {plan.tables}")
   if (bounded is not None) != plan.bounded:
     raise ValueError(f"bounded flags must be given iff the plan's bounded ({plan.bounded}) is")
-  kernel = _ForwardKernel(
-      plan, t_len=t_len, n_heads=n_heads, group=n_heads // kv_heads,
-      magnitude_scale=magnitude_scale, rot_per_head=tuple(r.ndim != 1 for r in rot),
-      trig_batched=trig.shape[-3 if plan.tables else -2] > 1)
+  kernel = _ForwardKernel(plan, q, rot, trig, v, magnitude_scale)
   st.check_smem(kernel.scratch, "forward", f"at {plan.stages} stages lower BlockSizes.stages, "
                 "block_kv or block_q" + (", or set forward_warpgroups 2 (or None)"
                                          if plan.warpgroups == 3 else ""))
@@ -188,8 +185,8 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
               jax.ShapeDtypeStruct((bsz, n_heads, t_len), jnp.float32))
   if plan.save_a:
     out_type += (jax.ShapeDtypeStruct((bsz, t_len, n_heads, 2 * h), q.dtype),)
-  return st.launch(kernel.pope_fwd_kernel, out_type, tuple(kernel.scratch.values()), ctas=schedule.shape[0],
-                   compute_wgs=plan.warpgroups)(
+  return st.launch(kernel.pope_fwd_kernel, out_type, tuple(kernel.scratch.values()),
+                   ctas=schedule.shape[0], compute_wgs=plan.warpgroups)(
       q, *rot, trig, b, v, q_pos, k_pos, table, schedule, *([] if bounded is None else [bounded]))
 
 
@@ -197,15 +194,16 @@ class _ForwardKernel:
   """The forward kernel's body: `pope_fwd_kernel` forks the warpgroups; each item of a compute
   warpgroup loads and maps its queries, runs its streamed steps (`_steps`) and stores (`_item`)."""
 
-  def __init__(self, plan: ForwardPlan, *, t_len: int, n_heads: int, group: int,
-               magnitude_scale: float, rot_per_head: tuple, trig_batched: bool):
-    self.plan = plan
-    self.blocks = plan.blocks
+  def __init__(self, plan: ForwardPlan, q, rot, trig, v, magnitude_scale: float):
+    """The body for `pope_attention_fwd`'s operands (their shapes)."""
+    self.plan, self.blocks, self.magnitude_scale = plan, plan.blocks, magnitude_scale
     self.bq, self.bk, self.wgs = plan.blocks.block_q, plan.blocks.block_kv, plan.warpgroups
-    self.t_len, self.n_heads, self.group = t_len, n_heads, group
-    self.n_tiles = -(-t_len // (self.wgs * self.bq))
-    self.magnitude_scale = magnitude_scale
-    self.rot_per_head, self.trig_batched = rot_per_head, trig_batched
+    _, self.t_len, n_heads, _ = q.shape
+    self.group = n_heads // v.shape[2]
+    self.tile_of = functools.partial(st.item_coords, n_heads=n_heads, last_tile_first=True,
+                                     n_tiles=-(-self.t_len // (self.wgs * self.bq)))
+    self.rot_per_head = tuple(r.ndim != 1 for r in rot)  # θ [H] is shared by the heads
+    self.trig_batched = trig.shape[-3 if plan.tables else -2] > 1
     # The interpreter runs each warpgroup as its own XLA:CPU execution, and the handshake
     # hangs where they do not all start at once (few cores); the GPU check covers ping-pong.
     self.ping_pong = plan.ping_pong and not st.interpreted()
@@ -216,14 +214,11 @@ class _ForwardKernel:
 
   def query_rows(self, tile, wg):
     """(rows, live) of a warpgroup's query tile: tiles past T (three warpgroups) load the last
-    rows and store nothing (live False); live is None where every tile is live."""
+    rows and store nothing (`pl.when(live)`); live is True where every tile is live."""
     start = (tile * self.wgs + wg) * self.bq
     if self.t_len % (self.wgs * self.bq) == 0:
-      return pl.ds(start, self.bq), None
+      return pl.ds(start, self.bq), True
     return pl.ds(jnp.minimum(start, self.t_len - self.bq), self.bq), start < self.t_len
-
-  def tile_of(self, item):
-    return st.last_tile_first(item, self.n_heads, self.n_tiles)
 
   def pope_fwd_kernel(self, q_ref, rot0_ref, rot1_ref, trig_ref, b_ref, v_ref, qpos_ref,
                       kpos_ref, tab_ref, sched_ref, *rest):
@@ -237,16 +232,11 @@ class _ForwardKernel:
         q=q_ref, rot=(rot0_ref, rot1_ref), trig=trig_ref, qpos=qpos_ref, tab=tab_ref,
         sched=sched_ref, bnd=bnd_ref, o=o_ref, lse=lse_ref, a=a_ref, **smem)
     wg = lax.axis_index("wg")
-
-    @pl.when(wg < self.wgs)
-    def _compute():
-      self._compute(wg)
-
-    @pl.when(wg == self.wgs)
-    def _memory():
-      st.stream_keys(st.for_each_item(sched_ref), self.tile_of, tab_ref,
-                     (b_ref, v_ref, kpos_ref), (r.b_smem, r.v_smem, r.kpos_smem), self.group,
-                     self.bk, self.plan.stages, r.consumed, r.ready, self.memory_registers)
+    pl.when(wg < self.wgs)(lambda: self._compute(wg))
+    pl.when(wg == self.wgs)(lambda: st.stream_keys(
+        st.for_each_item(sched_ref), self.tile_of, tab_ref, (b_ref, v_ref, kpos_ref),
+        (r.b_smem, r.v_smem, r.kpos_smem), self.group, self.bk, self.plan.stages, r.consumed,
+        r.ready, self.memory_registers))
 
   def handshake(self):
     """One handshake of the two compute warpgroups' ping-pong (FlashAttention-3 §3.1): each
@@ -282,8 +272,7 @@ class _ForwardKernel:
       for i, buf in enumerate(r.trig_smem):
         plgpu.copy_gmem_to_smem(r.trig.at[i, trig_batch, rows], buf.at[wg], r.q_bar.at[wg])
     else:
-      plgpu.copy_gmem_to_smem(r.trig.at[trig_batch, rows], r.trig_smem[0].at[wg],
-                              r.q_bar.at[wg])
+      plgpu.copy_gmem_to_smem(r.trig.at[trig_batch, rows], r.trig_smem[0].at[wg], r.q_bar.at[wg])
     plgpu.copy_gmem_to_smem(r.qpos.at[batch, rows], r.qpos_smem.at[wg], r.qpos_bar.at[wg])
 
   def is_bounded(self, j):
@@ -302,8 +291,7 @@ class _ForwardKernel:
       x = plgpu.load(r.q_smem.at[wg], layout=plgpu.Layout.WGMMA)
       rot_rows = [st.row_vector(r.rot_smem.at[wg, i], 1) for i in range(2)]
       if self.plan.tables:
-        cos_t, sin_t = (plgpu.load(buf.at[wg], layout=plgpu.Layout.WGMMA)
-                        for buf in r.trig_smem)
+        cos_t, sin_t = (plgpu.load(buf.at[wg], layout=plgpu.Layout.WGMMA) for buf in r.trig_smem)
         halves = cartesian_halves_from_tables(x, cos_t, sin_t, *rot_rows,
                                               self.magnitude_scale, self.plan.dtype)
       else:
@@ -323,15 +311,14 @@ class _ForwardKernel:
     # before the next item's copies into them.
     plgpu.commit_smem()
     pl.when(j + 1 < self.count)(lambda: self._load_queries(self.item_of(j + 1), wg))
-    if self.plan.save_a and r.a_smem is not None:
-      _when_live(live, lambda: plgpu.copy_smem_to_gmem(r.a_smem.at[wg],
-                                                       r.a.at[batch, rows, head]))
+    if r.a_smem is not None:
+      pl.when(live)(lambda: plgpu.copy_smem_to_gmem(r.a_smem.at[wg], r.a.at[batch, rows, head]))
     elif self.plan.save_a:  # (the final store waits for the second half's copy to have read it)
       for i, half in enumerate(halves):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         r.o_smem.at[wg][...] = half
         plgpu.commit_smem()
-        _when_live(live, lambda i=i: plgpu.copy_smem_to_gmem(
+        pl.when(live)(lambda i=i: plgpu.copy_smem_to_gmem(
             r.o_smem.at[wg], r.a.at[batch, rows, head, pl.ds(i * h, h)]))
 
   def _item(self, j, base, wg):
@@ -455,18 +442,10 @@ class _ForwardKernel:
       empty = l_i == 0.0
       l_safe = jnp.where(empty, 1.0, l_i)
       r.o_smem.at[wg][...] = (acc / st.broadcast(l_safe, (bq, vd), 0)).astype(self.plan.dtype)
-      r.lse_smem.at[wg][...] = jnp.where(empty, 1e30,
-                                         m_i + jnp.log(l_safe) * (1 / math.log(2)))
+      r.lse_smem.at[wg][...] = jnp.where(empty, 1e30, m_i + jnp.log(l_safe) * (1 / math.log(2)))
       plgpu.commit_smem()
 
       def store():
         plgpu.copy_smem_to_gmem(r.o_smem.at[wg], r.o.at[batch, rows, head])
         plgpu.copy_smem_to_gmem(r.lse_smem.at[wg], r.lse.at[batch, head, rows])
-      _when_live(live, store)
-
-
-def _when_live(live, fn):
-  if live is None:
-    fn()
-  else:
-    pl.when(live)(fn)
+      pl.when(live)(store)
