@@ -11,7 +11,8 @@ held-out evaluation is saved atomically under --out and skipped by --resume. Wri
 results.md (tables and whether Bézier beats linear interpolation), accuracy.png (held-out accuracy
 per gold position with interval bars) and seeds_pairs<N>.png (the search seeds' scale curves and
 their held-out accuracy, mean ± sd) per difficulty. With --moice-routers (the --out of
-`experiments.moice_train` for the same model) MoICE is one more baseline, in every table and plot.
+`experiments.moice_train` for the same model) MoICE is one more baseline, in every table and plot;
+--resume with --moice-routers adds it to a run made without, running only MoICE's evaluations.
 """
 
 from __future__ import annotations
@@ -178,7 +179,10 @@ def main(argv=None) -> None:
         p.error(f"--out {args.out} holds an ablation run: pass --resume to continue it or use "
                 f"another folder")
       with open(saved_path) as f:
-        diff = config_diff(json.load(f), settings)
+        saved = json.load(f)
+      diff = config_diff(saved, settings)
+      if diff == ["moice_routers"] and saved["moice_routers"] is None:
+        diff = []  # MoICE added to a run without it: its evaluations run, the rest is reused.
       if diff:
         p.error(f"--resume: {saved_path} was written with other settings (differs in "
                 f"{', '.join(diff)})")

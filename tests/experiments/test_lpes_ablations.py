@@ -122,6 +122,27 @@ def test_moice_routers_add_moice_beside_the_baselines(tmp_path):
   assert "| MoICE |" in md and f"the routers in `{routers}`" in md
 
 
+def test_resume_with_moice_routers_adds_moice_to_a_finished_run(tmp_path, capsys):
+  out = tmp_path / "run"
+  argv = ["--preset", "smoke", "--out", str(out), "--methods", "bezier", "--search-seeds", "0",
+          "--heldout-seeds", "3", "--transfer-pairs", "0", "--no-progress"]
+  lpes_ablations.main(argv)
+  base_eval = out / "eval/pairs3/seed3/base.json"
+  before = base_eval.stat().st_mtime_ns
+  routers = _smoke_routers(tmp_path / "routers", 4)
+  capsys.readouterr()
+  lpes_ablations.main(argv + ["--resume", "--moice-routers", routers])
+  log = capsys.readouterr().out
+  assert "seed 3, base: done, skipped" in log and "seed 3, searched: done, skipped" in log
+  assert base_eval.stat().st_mtime_ns == before
+  record = json.loads((out / "results.json").read_text())
+  assert "moice" in record["summary"]["3"]["methods"]
+  other = _smoke_routers(tmp_path / "other", 4)   # Other routers than the run's: refused.
+  with pytest.raises(SystemExit):
+    lpes_ablations.main(argv + ["--resume", "--moice-routers", other])
+  assert "differs in moice_routers" in capsys.readouterr().err
+
+
 def test_moice_routers_of_another_model_are_a_usage_error_before_the_run(tmp_path, capsys):
   routers = _smoke_routers(tmp_path / "routers", 3)
   with pytest.raises(SystemExit) as e:
