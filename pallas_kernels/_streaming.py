@@ -120,8 +120,6 @@ def item_schedule(lengths: np.ndarray) -> np.ndarray:
   batch's items run at about the same time and its keys stay in L2."""
   n_items = len(lengths)
   grid = min(n_items, num_sms())
-  if grid == n_items:  # one item per CTA, in launch order
-    return np.stack([np.ones(n_items, np.int32), np.arange(n_items, dtype=np.int32)], axis=1)
   loads = [(0.0, c) for c in range(grid)]
   items = [[] for _ in range(grid)]
   for item, length in enumerate(lengths):
@@ -171,8 +169,7 @@ def item_coords(item, n_heads: int, n_tiles: int, *, last_tile_first: bool):
 def read_ranges(tab_ref, batch, tile, wg):
   """(u_lo, u_hi, lo, flo, fhi, hi) of an item's warpgroup `wg` from the visit table."""
   u_lo, u_hi = tab_ref[batch, tile, 0], tab_ref[batch, tile, 1]
-  base = 2 + 4 * wg
-  return (u_lo, u_hi, *(tab_ref[batch, tile, base + i] for i in range(4)))
+  return (u_lo, u_hi, *(tab_ref[batch, tile, 2 + 4 * wg + i] for i in range(4)))
 
 
 def load_resident(copies, wg, barriers) -> None:

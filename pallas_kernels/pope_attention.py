@@ -81,10 +81,9 @@ def platform_reason() -> str | None:
   except (ImportError, AttributeError):
     pass
   device = jax.devices()[0]
-  if device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9."):
+  where = f"{device.platform!r} {getattr(device, 'compute_capability', '') or ''}".rstrip()
+  if where.startswith("'gpu' 9."):
     return None
-  where = " ".join(filter(None, (repr(device.platform),
-                                 str(getattr(device, "compute_capability", "") or ""))))
   return (f"pallas PoPE attention runs on NVIDIA Hopper GPUs (sm90), not on {where}; use "
           f"implementation='xla' or None (or plgpu.force_gpu_interpret_mode() for tests)")
 
@@ -252,11 +251,9 @@ def _flash_bwd(plan, magnitude_scale, cartesian_map, key_len, res, d_out):
   dk, dv = pope_attention_dkv(*args, *o.tables[2], blocks=blocks)
   bsz, s_pad, kv_heads = b.shape[:3]
   group = a.shape[2] // kv_heads
-  if group > 1:
-    def group_sum(x):
-      x = x.reshape(bsz, s_pad, kv_heads, group, x.shape[-1]).astype(jnp.float32)
-      return x.sum(3).astype(a.dtype)
-    dk, dv = group_sum(dk), group_sum(dv)
+  if group > 1:  # each GQA group's sum, in float32
+    dk, dv = (x.reshape(bsz, s_pad, kv_heads, group, x.shape[-1]).astype(jnp.float32).sum(3)
+              .astype(a.dtype) for x in (dk, dv))
   dk = dk[:, :key_len]  # k is not padded (b is, after the map).
   return dq, dphase, dk, dv, None
 
@@ -316,12 +313,6 @@ def _array_key(x) -> tuple:
   return x.shape, x.tobytes()
 
 
-def _table_bytes(angle_pos, k_angle_pos, freqs, **kw) -> int:
-  """The bytes of `_angle_tables`' results, from their shapes alone."""
-  tables = jax.eval_shape(functools.partial(_angle_tables, **kw), angle_pos, k_angle_pos, freqs)
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tables))
-
-
 @functools.partial(jax.jit, static_argnames=("is_causal", "plan"))
 def _prepare(q, k, v, delta, positions, *, is_causal, plan):
   """Operands: padded q, the query phase -δ, raw k (`_forward` maps and pads it), padded v,
@@ -369,8 +360,10 @@ def _positions(q_positions, k_positions, freqs, *, batch, t_len, s_len, is_causa
   with jax.ensure_compile_time_eval() if not traced else contextlib.nullcontext():
     angle_pos, k_angle_pos, qp, kp, visits = _position_operands(q_positions, k_positions, **kw)
   table_kw = dict(query_tables=plan.inference.tables or plan.training.tables)
-  if (not traced
-      and _table_bytes(angle_pos, k_angle_pos, freqs, **table_kw) <= MAX_CONSTANT_TABLE_BYTES):
+  shapes = jax.eval_shape(functools.partial(_angle_tables, **table_kw), angle_pos, k_angle_pos,
+                          freqs)
+  if not traced and sum(x.size * x.dtype.itemsize
+                        for x in jax.tree.leaves(shapes)) <= MAX_CONSTANT_TABLE_BYTES:
     q_table, k_trig = _constant_angle_tables(*map(_array_key, (angle_pos, k_angle_pos, freqs)),
                                              **table_kw)
   else:

@@ -79,8 +79,7 @@ def _fork(sched_ref, item_body, memory) -> None:
 
 @functools.partial(jax.jit, static_argnames=('blocks', 'magnitude_scale'))
 def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
-                      blocks: BlockSizes,
-                      magnitude_scale: float | None):
+                      blocks: BlockSizes, magnitude_scale: float | None):
   """The queries' gradient from da = ln 2 · dS·b per query head.
 
   Args:
@@ -119,9 +118,7 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
                (delta_ref.at[batch, head, rows], delta_smem),
                (qpos_ref.at[batch, rows], qpos_smem))
       st.load_resident(loads, wg, res_bar)
-      lse = st.row_vector(lse_smem.at[wg], 0)
-      dlt = st.row_vector(delta_smem.at[wg], 0)
-      qpos = st.row_vector(qpos_smem.at[wg], 0)
+      lse, dlt, qpos = (st.row_vector(x.at[wg], 0) for x in (lse_smem, delta_smem, qpos_smem))
       ranges = st.read_ranges(tab_ref, batch, tile, wg)
       origin = ranges[0] - base  # this item's first step is the ring's step `base`
 

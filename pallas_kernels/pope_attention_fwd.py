@@ -268,11 +268,9 @@ class _ForwardKernel:
       plgpu.copy_gmem_to_smem(ref.at[head] if self.rot_per_head[i] else ref,
                               r.rot_smem.at[wg, i], r.q_bar.at[wg])
     trig_batch = batch if self.trig_batched else 0
-    if self.plan.tables:
-      for i, buf in enumerate(r.trig_smem):
-        plgpu.copy_gmem_to_smem(r.trig.at[i, trig_batch, rows], buf.at[wg], r.q_bar.at[wg])
-    else:
-      plgpu.copy_gmem_to_smem(r.trig.at[trig_batch, rows], r.trig_smem[0].at[wg], r.q_bar.at[wg])
+    for i, buf in enumerate(r.trig_smem):  # the cos and sin tables, or the angles' positions
+      src = r.trig.at[i, trig_batch, rows] if self.plan.tables else r.trig.at[trig_batch, rows]
+      plgpu.copy_gmem_to_smem(src, buf.at[wg], r.q_bar.at[wg])
     plgpu.copy_gmem_to_smem(r.qpos.at[batch, rows], r.qpos_smem.at[wg], r.qpos_bar.at[wg])
 
   def is_bounded(self, j):
@@ -380,10 +378,9 @@ class _ForwardKernel:
     acc = plgpu.layout_cast(jnp.zeros((bq, self.plan.vd), jnp.float32), wgmma)
     m_i = plgpu.layout_cast(jnp.full((bq,), 0.0 if bounded else st.M_INIT, jnp.float32),
                             wgmma.reduce(1))
-    if r.ones_smem is None:
-      l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), wgmma.reduce(1))
-    else:
-      l_i = plgpu.layout_cast(jnp.zeros((bq, ROW_SUM_COLS), jnp.float32), wgmma)
+    l_i = (plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), wgmma.reduce(1))
+           if r.ones_smem is None
+           else plgpu.layout_cast(jnp.zeros((bq, ROW_SUM_COLS), jnp.float32), wgmma))
     acc, m_i, l_i = st.compute_loops(
         ranges, origin, (acc, m_i, l_i), step, self.plan.stages, r.ready, r.consumed,
         skipped=(lambda: (self.handshake(), self.handshake())) if pp else None)
