@@ -132,11 +132,19 @@ def kv_head_multiplier(multiplier, num_heads: int, num_kv_heads: int):
 
 
 def layer_multipliers(multipliers: Array | float | None, num_layers: int, num_heads: int):
-  """Normalises frequency multipliers to [L, N] float32 (or None).
+  """Normalises frequency multipliers to one per layer, [L], or per layer and head, [L, N]
+  float32 (or None).
+
+  A global or per-layer multiplier stays one scalar per layer, so each layer's RoPE angles are
+  [T, H/2], not [T, N, H/2]: a traced per-layer scale (LPES) costs the same as none.
 
   Args:
     multipliers: None, [] (global, e.g. PI), [L] (per layer, LPES) or [L, N] (per layer and head,
       Ms-PoE). A multiplier of 1/s interpolates positions by s.
+    num_layers, num_heads: L and N.
+
+  Returns:
+    None, [L] for [] and [L], or [L, N].
 
   Raises:
     ValueError: on any other shape, or concrete multipliers that are not finite and > 0.
@@ -146,10 +154,8 @@ def layer_multipliers(multipliers: Array | float | None, num_layers: int, num_he
   check_finite_multipliers(multipliers, "rope_multipliers")
   m = jnp.asarray(multipliers, jnp.float32)
   if m.ndim == 0:
-    return jnp.broadcast_to(m, (num_layers, num_heads))
-  if m.shape == (num_layers,):
-    return jnp.broadcast_to(m[:, None], (num_layers, num_heads))
-  if m.shape == (num_layers, num_heads):
+    return jnp.broadcast_to(m, (num_layers,))
+  if m.shape in ((num_layers,), (num_layers, num_heads)):
     return m
   raise ValueError(f"rope_multipliers must have shape [], [{num_layers}] or "
                    f"[{num_layers}, {num_heads}], got {m.shape}")

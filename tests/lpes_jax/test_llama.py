@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,21 @@ def test_multipliers_change_logits_and_vmap(params):
       CFG, params, tokens, jnp.ones_like(tokens, bool), max_new_tokens=3,
       eos_ids=jnp.zeros((0,), jnp.int32), rope_multipliers=m))(ms)
   assert out.shape == (2, 1, 3)
+
+
+def test_per_layer_multipliers_keep_the_angles_as_narrow_as_no_multiplier(params):
+  # A traced per-layer scale (LPES) must not widen each layer's RoPE angles to every head: the
+  # cached keys are rotated per decode step, so [S, N, H/2] angles cost N times [S, H/2].
+  def cosine_shapes(m):
+    step = lambda p, t, m: Llama(CFG).apply({"params": p}, t, rope_multipliers=m,
+                                             kv_cache=init_kv_cache(CFG, 1, 16))
+    text = jax.jit(step).lower(params, jnp.zeros((1, 4), jnp.int32), m).as_text()
+    return sorted(re.findall(r"stablehlo.cosine %\S+ : tensor<([^>]*)>", text))
+
+  base = cosine_shapes(None)
+  assert base and cosine_shapes(jnp.array([1.0, 0.5, 0.8])) == base
+  assert cosine_shapes(jnp.float32(0.5)) == base
+  assert cosine_shapes(MULTIPLIERS["per_head"]) != base  # Ms-PoE's differ per head
 
 
 def test_bad_token_and_mask_shapes_are_named(params):

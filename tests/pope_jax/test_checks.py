@@ -86,7 +86,7 @@ def test_traced_multipliers_are_not_checked():
   np.testing.assert_allclose(out, attention.pope_attention(q, k, v, delta, multiplier=0.5),
                              atol=1e-6)
   got = jax.jit(lambda m: encodings.layer_multipliers(m, 3, 2))(jnp.array([1.0, 0.5, 0.25]))
-  assert got.shape == (3, 2)
+  assert got.shape == (3,)  # one scalar per layer: angles are not widened to every head
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
