@@ -81,9 +81,10 @@ def platform_reason() -> str | None:
   except (ImportError, AttributeError):
     pass
   device = jax.devices()[0]
-  where = f"{device.platform!r} {getattr(device, 'compute_capability', '') or ''}".rstrip()
-  if where.startswith("'gpu' 9."):
+  capability = str(getattr(device, "compute_capability", "") or "")
+  if device.platform == "gpu" and capability.startswith("9."):
     return None
+  where = f"{device.platform!r} {capability}".rstrip()
   return (f"pallas PoPE attention runs on NVIDIA Hopper GPUs (sm90), not on {where}; use "
           f"implementation='xla' or None (or plgpu.force_gpu_interpret_mode() for tests)")
 
@@ -313,6 +314,12 @@ def _array_key(x) -> tuple:
   return x.shape, x.tobytes()
 
 
+def _table_bytes(angle_pos, k_angle_pos, freqs, **kw) -> int:
+  """The bytes of `_angle_tables`' results, from their shapes alone."""
+  tables = jax.eval_shape(functools.partial(_angle_tables, **kw), angle_pos, k_angle_pos, freqs)
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tables))
+
+
 @functools.partial(jax.jit, static_argnames=("is_causal", "plan"))
 def _prepare(q, k, v, delta, positions, *, is_causal, plan):
   """Operands: padded q, the query phase -δ, raw k (`_forward` maps and pads it), padded v,
@@ -360,10 +367,8 @@ def _positions(q_positions, k_positions, freqs, *, batch, t_len, s_len, is_causa
   with jax.ensure_compile_time_eval() if not traced else contextlib.nullcontext():
     angle_pos, k_angle_pos, qp, kp, visits = _position_operands(q_positions, k_positions, **kw)
   table_kw = dict(query_tables=plan.inference.tables or plan.training.tables)
-  shapes = jax.eval_shape(functools.partial(_angle_tables, **table_kw), angle_pos, k_angle_pos,
-                          freqs)
-  if not traced and sum(x.size * x.dtype.itemsize
-                        for x in jax.tree.leaves(shapes)) <= MAX_CONSTANT_TABLE_BYTES:
+  if (not traced
+      and _table_bytes(angle_pos, k_angle_pos, freqs, **table_kw) <= MAX_CONSTANT_TABLE_BYTES):
     q_table, k_trig = _constant_angle_tables(*map(_array_key, (angle_pos, k_angle_pos, freqs)),
                                              **table_kw)
   else:
