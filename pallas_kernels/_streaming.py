@@ -1,7 +1,7 @@
 """Shared pieces of the warp-specialised PoPE attention kernels (Mosaic GPU, Hopper).
 
 Each kernel's CTA (at most one per SM) runs groups of resident tiles (items), one tile per
-compute warpgroup, as a static schedule assigns them (`item_schedule`); a memory warpgroup
+compute warpgroup, as a static schedule assigns them (`launch_schedule`); a memory warpgroup
 streams the other operand's tiles through one ring of `stages` SMEM slots with TMA. Which
 streamed steps a resident tile visits is precomputed in XLA from the positions
 (`visit_table`), so causal block skipping is exact for any positions:
@@ -92,7 +92,7 @@ def visit_table(row_pos: jax.Array, col_pos: jax.Array, row_block: int, col_bloc
 
 def causal_steps(n_tiles: int, tile_rows: int, n_cols: int, step_cols: int, offset: int, *,
                  causal: bool, rows_are_queries: bool) -> np.ndarray:
-  """Estimated streamed steps per resident tile for `item_schedule`, at the default positions
+  """Estimated streamed steps per resident tile for `launch_schedule`, at the default positions
   (query t at offset + t, key s at s); without `causal`, all of them."""
   tiles = np.arange(n_tiles)
   if not causal:
@@ -113,13 +113,17 @@ def num_sms() -> int:
   return getattr(jax.local_devices()[0], "core_count", 132)
 
 
-def item_schedule(lengths: np.ndarray) -> np.ndarray:
-  """Which CTA runs which items, [grid, 1 + max items per CTA] int32: per CTA its item count,
-  then its items (-1 padding). At most one CTA per SM (`num_sms`); each item in launch order
-  goes to the CTA with the least work so far by `lengths` [n_items] (estimated steps), so a
+def launch_schedule(bsz: int, n_heads: int, n_tiles: int, steps: np.ndarray,
+                    longest_last_tile: bool) -> np.ndarray:
+  """Which CTA runs which of a kernel's items (`item_coords`; rank 0 is the last tile when
+  `longest_last_tile`, else tile 0), [grid, 1 + max items per CTA] int32: per CTA its item
+  count, then its items (-1 padding). At most one CTA per SM (`num_sms`); each item in launch
+  order goes to the CTA with the least work so far by `causal_steps`' [n_tiles] `steps`, so a
   batch's items run at about the same time and its keys stay in L2."""
-  n_items = len(lengths)
-  grid = min(n_items, num_sms())
+  ranks = np.arange(n_tiles)
+  per_rank = steps[n_tiles - 1 - ranks] if longest_last_tile else steps[ranks]
+  lengths = np.tile(np.repeat(per_rank, n_heads), bsz)  # per item, in launch order
+  grid = min(len(lengths), num_sms())
   loads = [(0.0, c) for c in range(grid)]
   items = [[] for _ in range(grid)]
   for item, length in enumerate(lengths):
@@ -132,20 +136,10 @@ def item_schedule(lengths: np.ndarray) -> np.ndarray:
   return table
 
 
-def launch_schedule(bsz: int, n_heads: int, n_tiles: int, steps: np.ndarray,
-                    longest_last_tile: bool) -> np.ndarray:
-  """`item_schedule` of a kernel's items (`item_coords`; rank 0 is the last tile when
-  `longest_last_tile`, else tile 0), from `causal_steps`' [n_tiles] `steps`."""
-  ranks = np.arange(n_tiles)
-  per_rank = steps[n_tiles - 1 - ranks] if longest_last_tile else steps[ranks]
-  lengths = np.tile(np.repeat(per_rank, n_heads), bsz)
-  return item_schedule(lengths)
-
-
 # --- In the kernel: a CTA's items, and a compute warpgroup's loops over its visit ranges.
 
 def cta_items(schedule_ref):
-  """This CTA's items from its row of the `item_schedule` table (in GMEM): (item_of, count),
+  """This CTA's items from its row of the `launch_schedule` table (in GMEM): (item_of, count),
   item_of(j) its j-th item for j < count."""
   c = lax.axis_index("cta")
   return (lambda j: schedule_ref[c, 1 + j]), schedule_ref[c, 0]
@@ -269,8 +263,8 @@ def stream_keys(for_items, tile_of, tab_ref, gmem, smem, group: int, block_kv: i
 def smem_bytes(scratch) -> int:
   """An upper bound on the SMEM bytes of a scratch pytree (each buffer and barrier array
   rounded up to Pallas' alignment)."""
-  sizes = [math.prod(buf.shape) * jnp.dtype(buf.dtype).itemsize if isinstance(
-      buf, pallas_mgpu_core.GPUMemoryRef) else 8 * math.prod(buf.num_barriers)
+  sizes = [math.prod(buf.shape) * jnp.dtype(buf.dtype).itemsize
+           if isinstance(buf, pallas_mgpu_core.GPUMemoryRef) else 8 * math.prod(buf.num_barriers)
            for buf in jax.tree.leaves(scratch)]
   return sum(pallas_mgpu_core.align_to(n, pallas_mgpu_core.SMEM_ALIGNMENT) for n in sizes)
 

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import config as jax_config
 
 from pallas_kernels import _streaming as st
 from pallas_kernels.pope_attention_bwd import pope_attention_dkv, pope_attention_dq
@@ -74,12 +75,9 @@ def _mismatch(q, k, v) -> str | None:
 def platform_reason() -> str | None:
   """Why the kernel cannot run here, or None: Hopper GPUs (sm90) and the Mosaic GPU
   interpreter (`plgpu.force_gpu_interpret_mode()`) run it."""
-  try:  # The interpreter switch has no public getter; read the config it sets.
-    from jax._src import config as jax_config
-    if jax_config.pallas_tpu_interpret_mode_context_manager.value is not None:
-      return None
-  except (ImportError, AttributeError):
-    pass
+  # The interpreter switch has no public getter; read the config it sets.
+  if jax_config.pallas_tpu_interpret_mode_context_manager.value is not None:
+    return None
   device = jax.devices()[0]
   capability = str(getattr(device, "compute_capability", "") or "")
   if device.platform == "gpu" and capability.startswith("9."):
@@ -154,14 +152,13 @@ def tile_score_bound(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
     tile_rows: query rows per tile.
   """
   bsz, t_len, n_heads, _ = q.shape
-  kv_heads = k.shape[2]
 
   def norm_bound(x):  # >= |softplus(x)| over the last axis, float32
     return jnp.sqrt(jnp.square(jnp.maximum(x.astype(jnp.float32), 0.0) + math.log(2)).sum(-1))
 
   q_norm = _pad_to(norm_bound(q), -(-t_len // tile_rows) * tile_rows, 1)            # [B, T', N]
   q_norm = q_norm.reshape(bsz, -1, tile_rows, n_heads).max(2)                       # [B, R, N]
-  k_norm = jnp.repeat(norm_bound(k).max(1), n_heads // kv_heads, axis=1)              # [B, N]
+  k_norm = jnp.repeat(norm_bound(k).max(1), n_heads // k.shape[2], axis=1)          # [B, N]
   return (q_norm * k_norm[:, None, :] * abs(magnitude_scale)).transpose(0, 2, 1)
 
 
@@ -202,10 +199,8 @@ def _forward(q, phase, k, v, o: _Operands, plan: ForwardPlan, magnitude_scale):
   """The key map (`key_map`), zero-padded to the values' length, then the forward kernel (with
   bounded flags only under `bounded_softmax`)."""
   b = _pad_to(key_map(k, o.k_trig), v.shape[1], 1)
-  bounded = None
-  if plan.bounded:
-    bounded = bounded_tiles(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), magnitude_scale,
-                            plan.tile_rows)
+  bounded = (bounded_tiles(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), magnitude_scale,
+                           plan.tile_rows) if plan.bounded else None)
   if plan.tables:  # the query angles: tables of pos·θ and the phase's cos, sin
     rot, trig = (jnp.cos(phase), jnp.sin(phase)), o.q_table
   else:  # θ, the phase and the angle positions
@@ -228,19 +223,17 @@ def _flash_fwd(q, phase, k, v, operands, plan, magnitude_scale, cartesian_map, k
 
 
 def _flash_bwd(plan, magnitude_scale, cartesian_map, key_len, res, d_out):
-  blocks = plan.blocks
   a, b, v, o, out, lse, query = res
   delta = jnp.einsum("btnv,btnv->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
   d_out = d_out.astype(a.dtype)
   args = (a, b, v, d_out, lse, delta, o.q_pos, o.k_pos)
   h = a.shape[-1] // 2
-  if not query:  # The dq kernel maps da: dq and each angle's gradient, summed into the phase's.
-    dq_angle = pope_attention_dq(*args, *o.tables[1], blocks=blocks,
-                                 magnitude_scale=magnitude_scale)
-    dq = dq_angle[..., :h]
-    dphase = dq_angle[..., h:].astype(jnp.float32).sum((0, 1))
+  # The dq kernel maps da to dq and each angle's gradient (summed into the phase's), or returns da.
+  dq_out = pope_attention_dq(*args, *o.tables[1], blocks=plan.blocks,
+                             magnitude_scale=None if query else magnitude_scale)
+  if not query:
+    dq, dphase = dq_out[..., :h], dq_out[..., h:].astype(jnp.float32).sum((0, 1))
   else:  # da through the reference map's VJP (float32), as the kernel's `cartesian_halves`.
-    da = pope_attention_dq(*args, *o.tables[1], blocks=blocks, magnitude_scale=None)
     if cartesian_map is None:
       raise ValueError("float16 gradients of pallas PoPE attention need `cartesian_map` (the "
                        "reference map `pope_jax.encodings.polar_to_cartesian`)")
@@ -248,8 +241,8 @@ def _flash_bwd(plan, magnitude_scale, cartesian_map, key_len, res, d_out):
     def query_map(q, phase):
       return (cartesian_map(q, ang, phase) * magnitude_scale).astype(q.dtype)
     _, map_vjp = jax.vjp(query_map, *query)
-    dq, dphase = map_vjp(da)
-  dk, dv = pope_attention_dkv(*args, *o.tables[2], blocks=blocks)
+    dq, dphase = map_vjp(dq_out)
+  dk, dv = pope_attention_dkv(*args, *o.tables[2], blocks=plan.blocks)
   bsz, s_pad, kv_heads = b.shape[:3]
   group = a.shape[2] // kv_heads
   if group > 1:  # each GQA group's sum, in float32
@@ -273,13 +266,11 @@ def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_le
   k_pos = jnp.broadcast_to(jnp.asarray(k_positions), (batch, s_len))
   mult = plan.blocks.seq_multiple
   t_pad, s_pad = -(-t_len // mult) * mult, -(-s_len // mult) * mult
-  q_angle = jnp.asarray(q_positions).astype(jnp.float32)
-  angle_pos = jax.lax.stop_gradient(_pad_to(q_angle.reshape(-1, t_len), t_pad, 1))
-  k_angle_pos = jax.lax.stop_gradient(jnp.asarray(k_positions).astype(jnp.float32))
+  angle_pos = _pad_to(jnp.asarray(q_positions).astype(jnp.float32).reshape(-1, t_len), t_pad, 1)
+  k_angle_pos = jnp.asarray(k_positions).astype(jnp.float32)
   qp = q_pos if is_causal else jnp.full(q_pos.shape, st.QUERY_SEES_ALL)
   qp = _pad_to(qp, t_pad, 1, st.QUERY_PAD)
   kp = _pad_to(k_pos.astype(jnp.float32), s_pad, 1, st.KEY_PAD)
-  qp, kp = jax.lax.stop_gradient(qp), jax.lax.stop_gradient(kp)
   visits = tuple(st.visit_table(*((qp, kp) if queries else (kp, qp)), row_block, col_block,
                                 rows_are_queries=queries, wgs=wgs)
                  for row_block, col_block, queries, wgs in _resident_blocks(plan))
@@ -300,18 +291,12 @@ def _angle_tables(angle_pos, k_angle_pos, freqs, *, query_tables: bool):
 
 
 @functools.lru_cache(maxsize=8)
-def _constant_angle_tables(angle_pos: tuple, k_angle_pos: tuple, freqs: tuple, **kw):
-  """`_angle_tables` at trace time, one array object per distinct positions (`_array_key`s), so
-  a model's layers share one constant; keeps the 8 most recent (at most 32 MiB)."""
-  arrays = [np.frombuffer(data, np.float32).reshape(shape) for shape, data in
-            (angle_pos, k_angle_pos, freqs)]
+def _constant_angle_tables(keys: tuple, **kw):
+  """`_angle_tables` at trace time from (shape, float32 bytes) keys, one array object per distinct
+  positions, so a model's layers share one constant; keeps the 8 most recent (at most 32 MiB)."""
+  arrays = [np.frombuffer(data, np.float32).reshape(shape) for shape, data in keys]
   with jax.ensure_compile_time_eval():
     return _angle_tables(*arrays, **kw)
-
-
-def _array_key(x) -> tuple:
-  x = np.asarray(x, np.float32)
-  return x.shape, x.tobytes()
 
 
 def _table_bytes(angle_pos, k_angle_pos, freqs, **kw) -> int:
@@ -325,14 +310,13 @@ def _prepare(q, k, v, delta, positions, *, is_causal, plan):
   """Operands: padded q, the query phase -δ, raw k (`_forward` maps and pads it), padded v,
   `_positions`' arrays, and per kernel its visit table and `st.launch_schedule`."""
   bsz, t_len, n_heads, h = q.shape
-  s_len = k.shape[1]
   # δ on the query side as -δ (the same score as δ on the keys, Eq. 5).
   phase = jnp.zeros((n_heads, h), jnp.float32) if delta is None else -delta.astype(jnp.float32)
   angle_pos, q_table, k_trig, qp, kp, visits = positions
   t_pad, s_pad = qp.shape[1], kp.shape[1]
   qr = _pad_to(q, t_pad, 1)
   vp = _pad_to(_pad_to(v, s_pad, 1), plan.inference.vd, 3)  # V to a multiple of 64 (`_plan`)
-  offset = max(s_len - t_len, 0)
+  offset = max(k.shape[1] - t_len, 0)
 
   def schedule(row_block, col_block, rows_are_queries, wgs):
     n_rows, n_cols = (t_pad, s_pad) if rows_are_queries else (s_pad, t_pad)
@@ -361,18 +345,17 @@ def _positions(q_positions, k_positions, freqs, *, batch, t_len, s_len, is_causa
     for name, pos in (("q_positions", q_positions), ("k_positions", k_positions)):
       largest = int(np.abs(np.asarray(pos, np.int64)).max(initial=0))
       if largest >= MAX_POSITION:
-        raise ValueError(f"{name} must lie within ±{MAX_POSITION} (2**24) for the pallas "
-                         f"kernel (float32 positions); got |position| {largest}; use "
-                         f"implementation='xla'")
+        raise ValueError(f"{name} must lie within ±2**24 for the pallas kernel (float32 "
+                         f"positions); got |position| {largest}; use implementation='xla'")
   with jax.ensure_compile_time_eval() if not traced else contextlib.nullcontext():
     angle_pos, k_angle_pos, qp, kp, visits = _position_operands(q_positions, k_positions, **kw)
+  arrays = (angle_pos, k_angle_pos, freqs)
   table_kw = dict(query_tables=plan.inference.tables or plan.training.tables)
-  if (not traced
-      and _table_bytes(angle_pos, k_angle_pos, freqs, **table_kw) <= MAX_CONSTANT_TABLE_BYTES):
-    q_table, k_trig = _constant_angle_tables(*map(_array_key, (angle_pos, k_angle_pos, freqs)),
-                                             **table_kw)
+  if not traced and _table_bytes(*arrays, **table_kw) <= MAX_CONSTANT_TABLE_BYTES:
+    keys = tuple((np.shape(x), np.asarray(x, np.float32).tobytes()) for x in arrays)
+    q_table, k_trig = _constant_angle_tables(keys, **table_kw)
   else:
-    q_table, k_trig = _angle_tables(angle_pos, k_angle_pos, freqs, **table_kw)
+    q_table, k_trig = _angle_tables(*arrays, **table_kw)
   return angle_pos, q_table, k_trig, qp, kp, visits
 
 

@@ -72,9 +72,7 @@ def _fork(sched_ref, item_body, memory) -> None:
     for_items(lambda item, base: item_body(item, base, wg), jnp.int32(0))
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == st.COMPUTE_WGS)
-  def _memory():
-    memory(for_items)
+  pl.when(wg == st.COMPUTE_WGS)(lambda: memory(for_items))
 
 
 @functools.partial(jax.jit, static_argnames=('blocks', 'magnitude_scale'))
@@ -97,12 +95,10 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
   Raises:
     ValueError: the buffers exceed SMEM.
   """
-  bsz, t_len, n_heads, d = a.shape
-  vd = v.shape[-1]
-  group = n_heads // b.shape[2]
+  _, t_len, n_heads, d = a.shape
+  vd, group = v.shape[-1], n_heads // b.shape[2]
   bq, bk, stages = blocks.block_q_dq, blocks.block_kv_dq, blocks.stages
-  dtype = a.dtype
-  wgs = st.COMPUTE_WGS
+  dtype, wgs = a.dtype, st.COMPUTE_WGS
   n_tiles = t_len // (wgs * bq)
 
   def pope_dq_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
@@ -185,13 +181,11 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
 def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outputs):
   """The dk/dv kernel computing `outputs`, ("dk",), ("dv",) or ("dk", "dv"), in that order."""
   want_dk, want_dv = "dk" in outputs, "dv" in outputs
-  bsz, t_len, n_heads, d = a.shape
-  h = d // 2
+  bsz, _, n_heads, d = a.shape
+  h, group = d // 2, n_heads // b.shape[2]
   s_len, vd = v.shape[1], v.shape[-1]
-  group = n_heads // b.shape[2]
   bk, bq, stages = blocks.block_kv_dkv, blocks.block_q_dkv, blocks.stages
-  dtype = a.dtype
-  wgs = st.COMPUTE_WGS
+  dtype, wgs = a.dtype, st.COMPUTE_WGS
   n_tiles = s_len // (wgs * bk)
   # dv alone needs neither v nor Δ (v's tile stages dv's store).
   resident = ("b", "kpos") + (("v",) if want_dk else ())
@@ -224,7 +218,6 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outp
       src = {"b": b_ref.at[batch, cols, kv_head], "v": v_ref.at[batch, cols, kv_head],
              "kpos": kpos_ref.at[batch, cols]}
       st.load_resident([(src[name], smem[name]) for name in resident], wg, res_bar)
-      b_smem = smem["b"]
       kpos = st.row_vector(smem["kpos"].at[wg], 0)
       ranges = st.read_ranges(tab_ref, batch, tile, wg)
       origin = ranges[0] - base  # this item's first step is the ring's step `base`
@@ -246,7 +239,7 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outp
         p_terms = ((accs["dv"], do_smem.at[slot]),) if want_dv else ()
         ds_terms = ((accs["dk"], a_smem.at[slot]),) if want_dk else ()
         p_accs, ds_accs = ops.gradient_step(
-            (b_smem.at[wg], a_smem.at[slot].transpose((1, 0)), (bk, bq)),
+            (smem["b"].at[wg], a_smem.at[slot].transpose((1, 0)), (bk, bq)),
             (smem["v"].at[wg], do_smem.at[slot].transpose((1, 0)), (bk, bq)),
             probs, ds_of, p_terms, ds_terms, dtype, overlap=blocks.overlap_bwd)
         accs.update(zip(("dv",) * want_dv + ("dk",) * want_dk, p_accs + ds_accs))

@@ -67,9 +67,8 @@ class BlockSizes:
       raise ValueError("BlockSizes.forward_warpgroups must be 2, 3 or None, got "
                        f"{self.forward_warpgroups}")
     threshold = self.rescale_threshold
-    if threshold is not None and (not isinstance(threshold, (int, float))
-                                  or isinstance(threshold, bool)
-                                  or not 0.0 <= threshold <= MAX_RESCALE_THRESHOLD):
+    number = isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
+    if threshold is not None and not (number and 0.0 <= threshold <= MAX_RESCALE_THRESHOLD):
       raise ValueError("BlockSizes.rescale_threshold must be None or a number of log2 units in "
                        f"[0, {MAX_RESCALE_THRESHOLD}], got {threshold!r}")
 

@@ -85,11 +85,6 @@ class ForwardPlan:
     """Query rows per CTA item (W block_q), the unit of the bounded flags."""
     return self.warpgroups * self.blocks.block_q
 
-  @property
-  def a_in_smem(self) -> bool:
-    """a is staged for its store in its own SMEM tile (else through the output tile's)."""
-    return self.save_a and self.h != self.vd
-
 
 def plan_forward(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool) -> ForwardPlan:
   """The forward's schedule for head dim h, value width vd (a multiple of 64), q's dtype and
@@ -116,7 +111,8 @@ def _scratch(p: ForwardPlan) -> dict:
   """The forward kernel's SMEM buffers and barriers by name, in the kernel's argument order."""
   bq, bk, h, vd, wgs = p.blocks.block_q, p.blocks.block_kv, p.h, p.vd, p.warpgroups
   d, dtype, stages, tf = 2 * h, p.dtype, p.stages, st.tile_transforms()
-  scratch = {"a_smem": plgpu.SMEM((wgs, bq, d), dtype, transforms=tf)} if p.a_in_smem else {}
+  scratch = ({"a_smem": plgpu.SMEM((wgs, bq, d), dtype, transforms=tf)}
+             if p.save_a and h != vd else {})  # a's own tile where V != H, else the output's
   if p.tables:  # cos and sin of the query angles (`pope_attention.query_table`)
     trig = (plgpu.SMEM((wgs, bq, h), TABLE_DTYPE, transforms=st.tile_transforms(h)),) * 2
   else:  # the query angles' positions
@@ -168,15 +164,13 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
     base-2 log-sum-exp (1e30 where no key is visible) and, with `plan.save_a`, a [B, T, N, D].
 
   Raises:
-    ValueError: trig's rank does not match `plan.tables`, bounded does not match
-      `plan.bounded`, or the buffers exceed SMEM.
+    ValueError: trig or bounded that do not match the plan, or buffers that exceed SMEM.
   """
   bsz, t_len, n_heads, h = q.shape
   vd = v.shape[-1]
-  if trig.ndim != (4 if plan.tables else 2):
-    raise ValueError(f"trig has shape {trig.shape}; the plan's tables are {plan.tables}")
-  if (bounded is not None) != plan.bounded:
-    raise ValueError(f"bounded flags must be given iff the plan's bounded ({plan.bounded}) is")
+  if trig.ndim != (4 if plan.tables else 2) or (bounded is not None) != plan.bounded:
+    raise ValueError(f"trig {trig.shape} and bounded flags ({bounded is not None}) must match "
+                     f"the plan's tables ({plan.tables}) and bounded ({plan.bounded})")
   kernel = _ForwardKernel(plan, q, rot, trig, v, magnitude_scale)
   st.check_smem(kernel.scratch, "forward", f"at {plan.stages} stages lower BlockSizes.stages, "
                 "block_kv or block_q" + (", or set forward_warpgroups 2 (or None)"
@@ -195,7 +189,6 @@ class _ForwardKernel:
   warpgroup loads and maps its queries, runs its streamed steps (`_steps`) and stores (`_item`)."""
 
   def __init__(self, plan: ForwardPlan, q, rot, trig, v, magnitude_scale: float):
-    """The body for `pope_attention_fwd`'s operands (their shapes)."""
     self.plan, self.blocks, self.magnitude_scale = plan, plan.blocks, magnitude_scale
     self.bq, self.bk, self.wgs = plan.blocks.block_q, plan.blocks.block_kv, plan.warpgroups
     _, self.t_len, n_heads, _ = q.shape
@@ -207,8 +200,7 @@ class _ForwardKernel:
     # The interpreter runs each warpgroup as its own XLA:CPU execution, and the handshake
     # hangs where they do not all start at once (few cores); the GPU check covers ping-pong.
     self.ping_pong = plan.ping_pong and not st.interpreted()
-    # Registers per thread (compute, memory warpgroup): the 64 K of an SM split as
-    # FlashAttention-3 does.
+    # Registers per thread (compute, memory warpgroup): an SM's 64 K split as FlashAttention-3 does.
     self.registers, self.memory_registers = (232, 40) if self.wgs == 2 else (160, 32)
     self.scratch = _scratch(plan)
 
@@ -324,8 +316,7 @@ class _ForwardKernel:
     item's. Under ping-pong, each run of consecutive online-softmax items is opened by
     warpgroup 1's handshake and closed by warpgroup 0's (bounded items make none)."""
     r = self.refs
-    item = self.item_of(j)
-    batch, head, tile = self.tile_of(item)
+    batch, head, tile = self.tile_of(self.item_of(j))
     rows, live = self.query_rows(tile, wg)
     bounded_item = self.is_bounded(j)
     if self.ping_pong:  # the start of a run of ping-pong items

@@ -81,11 +81,10 @@ def random_inputs(shape: AttentionShape, dtype=jnp.bfloat16, seed: int = 0):
   normal v [B, S, K, V], in `dtype`, and a phase bias δ [N, H] float32 uniform in [-2π, 0),
   all from `jax.random.key(seed)`."""
   ks = jax.random.split(jax.random.key(seed), 4)
+  kv = (shape.batch, shape.k_len, shape.num_kv_heads)  # [B, S, K]
   q = jax.random.normal(ks[0], (shape.batch, shape.q_len, shape.num_heads, shape.head_dim), dtype)
-  k = jax.random.normal(ks[1], (shape.batch, shape.k_len, shape.num_kv_heads, shape.head_dim),
-                        dtype)
-  v = jax.random.normal(ks[2], (shape.batch, shape.k_len, shape.num_kv_heads, shape.value_dim),
-                        dtype)
+  k = jax.random.normal(ks[1], (*kv, shape.head_dim), dtype)
+  v = jax.random.normal(ks[2], (*kv, shape.value_dim), dtype)
   delta = jax.random.uniform(ks[3], (shape.num_heads, shape.head_dim), jnp.float32,
                              -2 * math.pi, 0.0)
   if shape.input_scale != 1.0:
