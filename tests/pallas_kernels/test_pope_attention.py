@@ -28,9 +28,8 @@ from pallas_kernels.pope_attention_fwd import (TABLE_DTYPE, cartesian_halves,
 from pope_jax import attention, encodings, positions
 from tests.pallas_kernels.entry import kernel_attention
 
-# The Mosaic GPU interpreter sometimes deadlocks on a 2-core machine (its warpgroups run as
-# threads; seen once in four full runs on 2026-12-02, in the fp16 dq kernel; the same inputs pass
-# on a rerun). A test that stops making progress is ended (pytest-timeout) and run again in a
+# The Mosaic GPU interpreter can deadlock on a 2-core machine (its warpgroups run as threads);
+# the same inputs pass on a rerun. A test that stops making progress is ended (pytest-timeout) and run again in a
 # fresh worker (pytest-rerunfailures); a real failure still fails, after three tries. The
 # timeout is about four times the slowest of these tests on 2 cores (33 s), so a hang costs CI
 # two minutes rather than five.
