@@ -179,14 +179,14 @@ def load_resident(copies, wg, barriers) -> None:
 def compute_loops(ranges, origin, carry, step, stages: int, ready, consumed, skipped=None):
   """A compute warpgroup's steps s of one item over its five ranges: each waits for its slot
   of the ring (origin = u_lo - the ring's step at u_lo, `memory_warpgroup`), runs carry =
-  step(s, slot, carry, mode) with mode "masked" or "full" (a "skip" step calls `skipped`
-  after), and releases the slot."""
+  step(slot, carry, mode) with mode "masked" or "full" (a "skip" step calls `skipped` after),
+  and releases the slot."""
   def run(s, carry, mode):
     with jax.named_scope("wait_kv"):
       slot = lax.rem(s - origin, stages)
       plgpu.barrier_wait(ready.at[slot])
     if mode != "skip":
-      carry = step(s, slot, carry, mode)
+      carry = step(slot, carry, mode)
     plgpu.barrier_arrive(consumed.at[slot])
     if mode == "skip" and skipped is not None:
       skipped()

@@ -25,7 +25,7 @@ import numpy as np
 from jax._src import config as jax_config
 
 from pallas_kernels import _streaming as st
-from pallas_kernels.pope_attention_bwd import cartesian_vjp, pope_attention_dkv, pope_attention_dq
+from pallas_kernels.pope_attention_bwd import pope_attention_dkv, pope_attention_dq
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
 from pallas_kernels.pope_attention_fwd import (BOUNDED_SCORE_LIMIT, TABLE_DTYPE, ForwardPlan,
                                                plan_forward, pope_attention_fwd)
@@ -228,29 +228,21 @@ def _flash_bwd(plan, magnitude_scale, cartesian_map, key_len, res, d_out):
   d_out = d_out.astype(a.dtype)
   args = (a, b, v, d_out, lse, delta, o.q_pos, o.k_pos)
   h = a.shape[-1] // 2
-  fused = plan.blocks.fused_dq
-  dk, dv, da = pope_attention_dkv(*args, *o.tables[2], blocks=plan.blocks, with_dq=fused)
-  if fused and not query:  # da through the query map's VJP, in float32
-    dq, dphase = cartesian_vjp(a.reshape(-1, 2 * h), da.reshape(-1, 2 * h), magnitude_scale)
-    dq, dphase = dq.reshape(*a.shape[:3], h).astype(a.dtype), dphase.reshape(
-        *a.shape[:3], h).sum((0, 1))
-  else:
-    # The dq kernel maps da to dq and each angle's gradient (summed into the phase's), or
-    # returns da.
-    dq_out = da.astype(a.dtype) if fused else pope_attention_dq(
-        *args, *o.tables[1], blocks=plan.blocks,
-        magnitude_scale=None if query else magnitude_scale)
-    if not query:
-      dq, dphase = dq_out[..., :h], dq_out[..., h:].astype(jnp.float32).sum((0, 1))
-    else:  # da through the reference map's VJP (float32), as the kernel's `cartesian_halves`.
-      if cartesian_map is None:
-        raise ValueError("float16 gradients of pallas PoPE attention need `cartesian_map` (the "
-                         "reference map `pope_jax.encodings.polar_to_cartesian`)")
-      ang = o.angle_pos[:, :, None, None] * o.freqs[None, None]            # [B|1, T_pad, 1, H]
-      def query_map(q, phase):
-        return (cartesian_map(q, ang, phase) * magnitude_scale).astype(q.dtype)
-      _, map_vjp = jax.vjp(query_map, *query)
-      dq, dphase = map_vjp(dq_out)
+  # The dq kernel maps da to dq and each angle's gradient (summed into the phase's), or returns da.
+  dq_out = pope_attention_dq(*args, *o.tables[1], blocks=plan.blocks,
+                             magnitude_scale=None if query else magnitude_scale)
+  if not query:
+    dq, dphase = dq_out[..., :h], dq_out[..., h:].astype(jnp.float32).sum((0, 1))
+  else:  # da through the reference map's VJP (float32), as the kernel's `cartesian_halves`.
+    if cartesian_map is None:
+      raise ValueError("float16 gradients of pallas PoPE attention need `cartesian_map` (the "
+                       "reference map `pope_jax.encodings.polar_to_cartesian`)")
+    ang = o.angle_pos[:, :, None, None] * o.freqs[None, None]            # [B|1, T_pad, 1, H]
+    def query_map(q, phase):
+      return (cartesian_map(q, ang, phase) * magnitude_scale).astype(q.dtype)
+    _, map_vjp = jax.vjp(query_map, *query)
+    dq, dphase = map_vjp(dq_out)
+  dk, dv = pope_attention_dkv(*args, *o.tables[2], blocks=plan.blocks)
   bsz, s_pad, kv_heads = b.shape[:3]
   group = a.shape[2] // kv_heads
   if group > 1:  # each GQA group's sum, in float32

@@ -26,8 +26,6 @@ from pallas_kernels.pope_attention_config import BlockSizes
 _LN2 = math.log(2.0)
 # Below this magnitude μ, g(μ) = (1 - e^-μ) / μ is evaluated by its Taylor series (error < μ³/24).
 _G_SERIES_BELOW = 1.0 / 64
-# The fused backward computes and adds da's rows in chunks this wide (SMEM for their staging).
-_DQ_COLS = 64
 
 
 def cartesian_vjp(cart, d_cart, magnitude_scale: float):
@@ -120,13 +118,13 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
       ranges = st.read_ranges(tab_ref, batch, tile, wg)
       origin = ranges[0] - base  # this item's first step is the ring's step `base`
 
-      def step(_, slot, dq_acc, mode):
+      def step(slot, dq_acc, mode):
         def probs(s_blk):
           if mode == "masked":
             s_blk = st.causal_mask(s_blk, st.row_vector(kpos_smem.at[slot], 1), qpos, 1)
           return jnp.exp2(s_blk - st.broadcast(lse, (bq, bk), 0))
 
-        _, (dq_acc,), _ = ops.gradient_step(
+        _, (dq_acc,) = ops.gradient_step(
             (a_smem.at[wg], b_smem.at[slot].transpose((1, 0)), (bq, bk)),
             (do_smem.at[wg], v_smem.at[slot].transpose((1, 0)), (bq, bk)),
             probs, lambda p, dp: p * (dp - st.broadcast(dlt, (bq, bk), 0)),
@@ -163,65 +161,44 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
 
 
 def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
-                       blocks: BlockSizes, with_dq: bool):
+                       blocks: BlockSizes):
   """Per query head, the raw keys' gradient dk (db = ln 2 · dSᵀ·a through the key map's VJP,
-  s = 1) and dv = Pᵀ·dO, and with `with_dq` the Cartesian queries' da = ln 2 · dS·b, added
-  into a float32 buffer per step (TMA reduce-add; FlashAttention-3 §3.3); the caller sums a GQA
-  group. One launch, or with `blocks.split_dkv` (at H = 128 one launch's float32 accumulators
-  spill) one for dk (and da) and one for dv.
+  s = 1) and dv = Pᵀ·dO; the caller sums a GQA group. One launch, or one per output with
+  `blocks.split_dkv` (at H = 128 one launch's float32 accumulators spill).
 
   Args:
     as `pope_attention_dq`'s, with keys resident in table and schedule.
 
   Returns:
-    dk [B, S, N, H] and dv [B, S, N, V] in a's dtype, and da [B, T, N, D] float32 or None.
+    dk [B, S, N, H] and dv [B, S, N, V] in a's dtype.
   """
   args = (a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
-  dq = ("dq",) * with_dq
-  launches = (("dk",) + dq, ("dv",)) if blocks.split_dkv else (("dk", "dv") + dq,)
-  if not with_dq:
-    return sum((_dkv(*args, None, blocks=blocks, outputs=o) for o in launches), ()) + (None,)
-  # The interpreter has no TMA reduction: there each item (CTA's key tile) stores its steps' da
-  # rows into its own slice, summed here.
-  bsz, t_len, n_heads, d = a.shape
-  tiles = () if not st.interpreted() else (table.shape[1],)
-  da = jax.new_ref(jnp.zeros((bsz, *tiles, t_len, n_heads, d), jnp.float32))
-  outs = sum((_dkv(*args, da, blocks=blocks, outputs=o) for o in launches), ())
-  da = jax.freeze(da)
-  return outs + ((da.sum(1) if tiles else da) * _LN2,)
+  launches = (("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)
+  return sum((_dkv(*args, blocks=blocks, outputs=outputs) for outputs in launches), ())
 
 
 @functools.partial(jax.jit, static_argnames=('blocks', 'outputs'))
-def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, da, *, blocks, outputs):
-  """The dk/dv kernel computing `outputs`, ("dk",), ("dv",) or ("dk", "dv"), in that order,
-  then "dq" where given: dS·b added into the float32 ref `da`."""
-  want_dk, want_dv, want_dq = "dk" in outputs, "dv" in outputs, "dq" in outputs
-  outputs = tuple(o for o in outputs if o != "dq")
+def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outputs):
+  """The dk/dv kernel computing `outputs`, ("dk",), ("dv",) or ("dk", "dv"), in that order."""
+  want_dk, want_dv = "dk" in outputs, "dv" in outputs
   bsz, _, n_heads, d = a.shape
   h, group = d // 2, n_heads // b.shape[2]
   s_len, vd = v.shape[1], v.shape[-1]
   bk, bq, stages = blocks.block_kv_dkv, blocks.block_q_dkv, blocks.stages
   dtype, wgs = a.dtype, st.COMPUTE_WGS
   n_tiles = s_len // (wgs * bk)
-  interpreted = st.interpreted()
   # dv alone needs neither v nor Δ (v's tile stages dv's store).
-  need_ds = want_dk or want_dq
-  resident = ("b", "kpos") + (("v",) if need_ds else ())
-  streamed = ("a", "do", "lse", "qpos") + (("delta",) if need_ds else ())
+  resident = ("b", "kpos") + (("v",) if want_dk else ())
+  streamed = ("a", "do", "lse", "qpos") + (("delta",) if want_dk else ())
 
   def scratch_types(dk_in_v: bool):
     res_types = _tiles(wgs, bk, ("b", "v", "kpos"), d, vd, dtype)
     if want_dk and not dk_in_v:
       res_types["dk"] = plgpu.SMEM((wgs, bk, h), dtype, transforms=st.tile_transforms(h))
-    if want_dq:  # dSᵀ, the lhs of dS·b, and the float32 rows added into da
-      res_types["ds"] = plgpu.SMEM((2, wgs, bk, bq), dtype, transforms=st.tile_transforms(bq))
-      res_types["dq"] = plgpu.SMEM((wgs, bq, _DQ_COLS), jnp.float32, transforms=(
-          plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))
     return (res_types, _tiles(stages, bq, streamed, d, vd, dtype),
             plgpu.Barrier(num_barriers=len(resident) * wgs),
             plgpu.Barrier(num_arrivals=len(streamed), num_barriers=stages),
-            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=wgs, num_barriers=2))
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages))
 
   # dk is staged in v's tile where V = H and there is no dv or no room for dk's own tile.
   dk_in_v = want_dk and vd == h and (
@@ -229,10 +206,7 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, da, *, blocks, 
   scratch = scratch_types(dk_in_v)
 
   def pope_dkv_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
-                      tab_ref, sched_ref, *refs):
-    da_ref, (out_refs, smem, str_smem, res_bar, ready, consumed, ds_ready) = (
-        (refs[0], refs[1:]) if want_dq else (None, refs))
-
+                      tab_ref, sched_ref, out_refs, smem, str_smem, res_bar, ready, consumed):
     def tile_of(item):
       """(batch, head, kv head, resident key tile) of an item."""
       batch, head, rank = st.item_coords(item, n_heads, n_tiles, last_tile_first=False)
@@ -246,38 +220,9 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, da, *, blocks, 
       st.load_resident([(src[name], smem[name]) for name in resident], wg, res_bar)
       kpos = st.row_vector(smem["kpos"].at[wg], 0)
       ranges = st.read_ranges(tab_ref, batch, tile, wg)
-      if want_dq:  # Both warpgroups add dS·b at every step of the item: none skips a step.
-        u_lo, u_hi, _, flo, fhi, _ = ranges
-        ranges = (u_lo, u_hi, u_lo, flo, fhi, u_hi)
       origin = ranges[0] - base  # this item's first step is the ring's step `base`
 
-      def add_dq(s, ds):
-        """da's rows of step s += dS·b over both warpgroups' keys: each stages its dSᵀ in SMEM
-        (two buffers by step parity), and once both have, warpgroup w computes and adds the
-        64-column chunks c of da with c % 2 == w, so the CTA adds each row once per step."""
-        parity = lax.rem(s, 2)
-        smem["ds"].at[parity, wg][...] = ds
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(ds_ready.at[parity])
-        plgpu.barrier_wait(ds_ready.at[parity])
-        rows = pl.ds(s * bq, bq)
-        for w in range(wgs):
-          @pl.when(wg == w)
-          def _chunks():
-            for c in range(w * _DQ_COLS, d, wgs * _DQ_COLS):
-              cols = pl.ds(c, _DQ_COLS)
-              acc = ops.matmul_sum([(smem["ds"].at[parity, i].transpose((1, 0)),
-                                     smem["b"].at[i, :, cols]) for i in range(wgs)],
-                                   (bq, _DQ_COLS))
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's store read it
-              smem["dq"].at[w][...] = acc
-              plgpu.commit_smem()
-              dst = (da_ref.at[batch, tile, rows, head, cols] if interpreted
-                     else da_ref.at[batch, rows, head, cols])
-              plgpu.copy_smem_to_gmem(smem["dq"].at[w], dst,
-                                      reduction_op=None if interpreted else "add")
-
-      def step(s, slot, accs, mode):
+      def step(slot, accs, mode):
         accs = dict(zip(outputs, accs))
         a_smem, do_smem = str_smem["a"], str_smem["do"]
 
@@ -293,14 +238,13 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, da, *, blocks, 
 
         p_terms = ((accs["dv"], do_smem.at[slot]),) if want_dv else ()
         ds_terms = ((accs["dk"], a_smem.at[slot]),) if want_dk else ()
-        p_accs, ds_accs, ds = ops.gradient_step(
+        p_accs, ds_accs = ops.gradient_step(
             (smem["b"].at[wg], a_smem.at[slot].transpose((1, 0)), (bk, bq)),
             (smem["v"].at[wg], do_smem.at[slot].transpose((1, 0)), (bk, bq)),
-            probs, ds_of, p_terms, ds_terms, dtype, overlap=blocks.overlap_bwd, need_ds=want_dq)
+            probs, ds_of, p_terms, ds_terms, dtype, overlap=blocks.overlap_bwd)
         accs.update(zip(("dv",) * want_dv + ("dk",) * want_dk, p_accs + ds_accs))
-        if want_dq:
-          add_dq(s, ds)
         return tuple(accs[o] for o in outputs)
+
       widths = {"dk": d, "dv": vd}  # The dk accumulator holds db (D wide).
       accs = tuple(plgpu.layout_cast(jnp.zeros((bk, widths[o]), jnp.float32),
                                      plgpu.Layout.WGMMA) for o in outputs)
@@ -334,7 +278,6 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, da, *, blocks, 
   shapes = {"dk": (bsz, s_len, n_heads, h), "dv": (bsz, s_len, n_heads, vd)}
   out = st.launch(pope_dkv_kernel, {o: jax.ShapeDtypeStruct(shapes[o], dtype) for o in outputs},
                   scratch, ctas=schedule.shape[0], compute_wgs=wgs)(
-                      a, b, v, do, lse, delta, q_pos, k_pos, table, schedule,
-                      *(da,) * want_dq)
+                      a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
   return tuple(out[o] for o in outputs)
 

@@ -31,7 +31,6 @@ class BlockSizes:
     ping_pong: two forward warpgroups take turns on the tensor cores (FA3 §3.1); not with 3.
     overlap_bwd: backward issues S and dP together (FA3's order); spills with 128-wide streams.
     split_dkv: dk and dv in two launches: one launch's float32 accumulators spill at H = 128.
-    fused_dq: dq in the dk/dv kernel, added into float32 by TMA reduce-add (FA3), not its own.
     row_sum_mma: forward row sums as P @ 1 on the tensor cores; the softmax bounds the forward.
     bounded_softmax: bf16 forward skips the running max where PoPE's magnitudes bound a tile.
     rescale_threshold: log2 units a row's max may grow before rescaling (FA4); None: every step.
@@ -41,13 +40,12 @@ class BlockSizes:
   block_q_dq: int = 64
   block_kv_dq: int = 128
   block_kv_dkv: int = 64
-  block_q_dkv: int = 64
+  block_q_dkv: int = 128
   stages: int = 2
   forward_warpgroups: int | None = None
   ping_pong: bool = True
   overlap_bwd: bool = False
   split_dkv: bool = False
-  fused_dq: bool = True
   row_sum_mma: bool = False
   bounded_softmax: bool = False
   rescale_threshold: float | None = None
@@ -91,5 +89,5 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
   if head_dim <= 64:
     return BlockSizes()
   return BlockSizes(block_kv=64, block_kv_dq=64, block_q_dkv=64, forward_warpgroups=2,
-                    ping_pong=False, overlap_bwd=True, split_dkv=True, fused_dq=False, row_sum_mma=True,
+                    ping_pong=False, overlap_bwd=True, split_dkv=True, row_sum_mma=True,
                     rescale_threshold=8.0)

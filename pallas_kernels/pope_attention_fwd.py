@@ -348,7 +348,7 @@ class _ForwardKernel:
     r, bq, wgmma = self.refs, self.bq, plgpu.Layout.WGMMA
     pp = self.ping_pong and not bounded
 
-    def step(_, slot, carry, mode):
+    def step(slot, carry, mode):
       acc, m_i, l_i = carry
       with jax.named_scope("qk"):
         s_blk = ops.matmul(a, r.b_smem.at[slot].transpose((1, 0)), (bq, self.bk),
