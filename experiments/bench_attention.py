@@ -335,8 +335,8 @@ def check_failures(rows: list[dict], tol: float) -> list[str]:
 # PoPE's magnitude bound fails on every tile (`bounded_softmax`'s miss case); "tiles" scales
 # every other query tile by `_tile_scale`'s factor (half the items bounded).
 VARIANTS = [
-    ("bench_h64", 1.0, [{}, {"forward_warpgroups": 2}, {"forward_warpgroups": 2,
-                                                          "ping_pong": False}] * 3),
+    ("bench_h64", 1.0, [{}, {"block_q_dkv": 64}, {"block_q_dkv": 64, "overlap_bwd": True},
+                        {"overlap_bwd": True}, {"dkv_roles": True}]),
 ]
 
 

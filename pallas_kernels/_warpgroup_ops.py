@@ -55,51 +55,59 @@ def matmul_accs(accs, a, bs) -> tuple:
   return tuple(pl.run_state(run)(tuple(plgpu.ACC.init(acc) for acc in accs)))
 
 
-def gradient_step(scores, dscores, probs, ds_of, p_terms, ds_terms, dtype, *, overlap: bool):
+def gradient_step(scores, dscores, probs, ds_of, p_terms, ds_terms, dtype, *, overlap: bool,
+                  ds_to=None):
   """One streamed step of a flash-attention backward (FlashAttention-2, Alg. 2): S, P = probs(S),
-  dP (only with `ds_terms`), dS = ds_of(P, dP); each (acc, rhs) of `p_terms` becomes acc + P @
-  rhs and of `ds_terms` acc + dS @ rhs (P, dS cast to `dtype`). Each wgmma is awaited in turn,
-  or with `overlap` (not in the interpreter) in FlashAttention-3's backward order: S and dP
-  issued together, P's updates in flight while dS is computed (two float32 score tiles live).
+  dP (only with `ds_terms` or `ds_to`), dS = ds_of(P, dP); each (acc, rhs) of `p_terms` becomes
+  acc + P @ rhs and of `ds_terms` acc + dS @ rhs (P, dS cast to `dtype`); `ds_to(dS)` runs once
+  dS is computed, before P's updates are awaited. Each wgmma is awaited in turn, or with
+  `overlap` (not in the interpreter) in FlashAttention-3's backward order: S and dP issued
+  together, P's updates in flight while dS is computed (two float32 score tiles live).
 
   Args:
     scores, dscores: (lhs, rhs, [M, N]) SMEM operands of S and dP.
     probs, ds_of: float32 tile maps; p_terms, ds_terms: ((float32 [M, W], SMEM rhs [N, W]), ...).
+    ds_to: None, or a function of dS [M, N] in `dtype` (e.g. a store for another warpgroup).
 
   Returns:
     (p_terms' updated accumulators, ds_terms'), two tuples.
   """
+  need_ds = bool(ds_terms) or ds_to is not None
   if not overlap or st.interpreted():
     p = probs(matmul(*scores))
     p_low = p.astype(dtype)
     p_accs = tuple(matmul_acc(acc, p_low, rhs) for acc, rhs in p_terms)
-    if not ds_terms:
+    if not need_ds:
       return p_accs, ()
     ds = ds_of(p, matmul(*dscores)).astype(dtype)
+    if ds_to is not None:
+      ds_to(ds)
     return p_accs, tuple(matmul_acc(acc, ds, rhs) for acc, rhs in ds_terms)
 
   terms = p_terms + ds_terms
 
   def run(s_ref, *refs):
-    dp_ref, acc_refs = (refs[0], refs[1:]) if ds_terms else (None, refs)
+    dp_ref, acc_refs = (refs[0], refs[1:]) if need_ds else (None, refs)
     for ref, (acc, _) in zip(acc_refs, terms):
       ref[...] = acc
     plgpu.wgmma(s_ref, *scores[:2])
-    if ds_terms:
+    if need_ds:
       plgpu.wgmma(dp_ref, *dscores[:2])
-    p = probs(plgpu.wgmma_accumulator_load(s_ref, wait_n=1 if ds_terms else 0))
+    p = probs(plgpu.wgmma_accumulator_load(s_ref, wait_n=1 if need_ds else 0))
     p_low = p.astype(dtype)
     for ref, (_, rhs) in zip(acc_refs, p_terms):
       plgpu.wgmma(ref, p_low, rhs)
-    if ds_terms:  # dP was issued before P's updates: it completes first.
+    if need_ds:  # dP was issued before P's updates: it completes first.
       dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=len(p_terms))
       ds = ds_of(p, dp).astype(dtype)
+      if ds_to is not None:
+        ds_to(ds)
       for ref, (_, rhs) in zip(acc_refs[len(p_terms):], ds_terms):
         plgpu.wgmma(ref, ds, rhs)
     return tuple(ref[...] for ref in acc_refs)
 
   allocs = [plgpu.ACC(scores[2], jnp.float32)]
-  allocs += [plgpu.ACC(dscores[2], jnp.float32)] if ds_terms else []
+  allocs += [plgpu.ACC(dscores[2], jnp.float32)] if need_ds else []
   allocs += [plgpu.ACC(acc.shape, jnp.float32) for acc, _ in terms]
   accs = pl.run_scoped(run, *allocs)
   return accs[:len(p_terms)], accs[len(p_terms):]

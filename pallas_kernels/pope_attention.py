@@ -108,11 +108,13 @@ def _plan(blocks: BlockSizes, h: int, value_dim: int, dtype) -> _Plan:
 
 def _resident_blocks(plan: _Plan) -> tuple[tuple[int, int, bool, int], ...]:
   """Per kernel (forward, dq, dk/dv): its resident and streamed tile sizes, whether the
-  resident tiles are queries, and its compute warpgroups."""
+  resident tiles are queries, and its resident tiles per item (one per compute warpgroup, or
+  one shared with `dkv_roles`)."""
   blocks = plan.blocks
   return ((blocks.block_q, blocks.block_kv, True, plan.inference.warpgroups),
           (blocks.block_q_dq, blocks.block_kv_dq, True, st.COMPUTE_WGS),
-          (blocks.block_kv_dkv, blocks.block_q_dkv, False, st.COMPUTE_WGS))
+          (blocks.block_kv_dkv, blocks.block_q_dkv, False,
+           1 if blocks.dkv_roles else st.COMPUTE_WGS))
 
 
 def query_table(angle_pos, freqs):
@@ -227,12 +229,12 @@ def _flash_bwd(plan, magnitude_scale, cartesian_map, key_len, res, d_out):
   delta = jnp.einsum("btnv,btnv->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
   d_out = d_out.astype(a.dtype)
   args = (a, b, v, d_out, lse, delta, o.q_pos, o.k_pos)
-  h = a.shape[-1] // 2
   # The dq kernel maps da to dq and each angle's gradient (summed into the phase's), or returns da.
   dq_out = pope_attention_dq(*args, *o.tables[1], blocks=plan.blocks,
                              magnitude_scale=None if query else magnitude_scale)
   if not query:
-    dq, dphase = dq_out[..., :h], dq_out[..., h:].astype(jnp.float32).sum((0, 1))
+    dq, d_angle = dq_out
+    dphase = d_angle.astype(jnp.float32).sum((0, 1))
   else:  # da through the reference map's VJP (float32), as the kernel's `cartesian_halves`.
     if cartesian_map is None:
       raise ValueError("float16 gradients of pallas PoPE attention need `cartesian_map` (the "

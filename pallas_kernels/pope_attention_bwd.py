@@ -89,21 +89,24 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
     blocks: tile sizes; magnitude_scale: s, or None to return da (fp16: the caller maps it).
 
   Returns:
-    [B, T, N, D] in a's dtype: [dq | dφ] (each element's angle gradient; the phase's is its
-    sum over B and T) with `magnitude_scale`, else da.
+    With `magnitude_scale`, dq and dφ (each element's angle gradient; the phase's is its sum
+    over B and T), [B, T, N, H] each; else da [B, T, N, D]; in a's dtype.
 
   Raises:
     ValueError: the buffers exceed SMEM.
   """
-  _, t_len, n_heads, d = a.shape
-  vd, group = v.shape[-1], n_heads // b.shape[2]
+  bsz, t_len, n_heads, d = a.shape
+  vd, group, h = v.shape[-1], n_heads // b.shape[2], d // 2
   bq, bk, stages = blocks.block_q_dq, blocks.block_kv_dq, blocks.stages
   dtype, wgs = a.dtype, st.COMPUTE_WGS
   n_tiles = t_len // (wgs * bq)
+  mapped = magnitude_scale is not None
 
   def pope_dq_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
-                     tab_ref, sched_ref, dq_ref, a_smem, do_smem, lse_smem, delta_smem,
+                     tab_ref, sched_ref, out_refs, a_smem, do_smem, lse_smem, delta_smem,
                      qpos_smem, b_smem, v_smem, kpos_smem, res_bar, ready, consumed):
+    # Mapped, a's tile stages dq and dφ once the VJP has read it (`stage`, wg's rows alike).
+    a_smem, stage = a_smem if mapped else (a_smem, None)
     tile_of = lambda item: st.item_coords(item, n_heads, n_tiles, last_tile_first=True)
 
     def item_body(item, base, wg):
@@ -133,15 +136,19 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
 
       dq_acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
       dq_acc = st.compute_loops(ranges, origin, dq_acc, step, stages, ready, consumed)
-      if magnitude_scale is None:
+      if not mapped:
         a_smem.at[wg][...] = (dq_acc * _LN2).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(a_smem.at[wg], out_refs["da"].at[batch, rows, head])
       else:
-        dq, d_angle = cartesian_vjp(plgpu.load(a_smem.at[wg], layout=plgpu.Layout.WGMMA),
-                                    dq_acc * _LN2, magnitude_scale)
-        a_smem.at[wg][...] = plgpu.layout_cast(jnp.concatenate(
-            [dq.astype(dtype), d_angle.astype(dtype)], axis=1), plgpu.Layout.WGMMA)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(a_smem.at[wg], dq_ref.at[batch, rows, head])
+        grads = cartesian_vjp(plgpu.load(a_smem.at[wg], layout=plgpu.Layout.WGMMA),
+                              dq_acc * _LN2, magnitude_scale)
+        plgpu.commit_smem()  # (the warpgroup has read a)
+        for i, grad in enumerate(grads):
+          stage.at[wg, i][...] = grad.astype(dtype)
+        plgpu.commit_smem()
+        for i, name in enumerate(("dq", "d_angle")):
+          plgpu.copy_smem_to_gmem(stage.at[wg, i], out_refs[name].at[batch, rows, head])
       return base + ranges[1] - ranges[0]
 
     _fork(sched_ref, item_body, lambda for_items: st.stream_keys(
@@ -149,68 +156,115 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
         group, bk, stages, consumed, ready))
 
   resident = _tiles(wgs, bq, ("a", "do", "lse", "delta", "qpos"), d, vd, dtype)
+  if mapped:  # [wg, 0] dq, [wg, 1] dφ: the same bytes as a's tile [wg]
+    resident["a"] = plgpu.RefUnion(resident["a"], plgpu.SMEM(
+        (wgs, 2, bq, h), dtype, transforms=st.tile_transforms(h)))
   streamed = _tiles(stages, bk, ("b", "v", "kpos"), d, vd, dtype)
   scratch = [*resident.values(), *streamed.values(), plgpu.Barrier(num_barriers=5 * wgs),
              plgpu.Barrier(num_arrivals=3, num_barriers=stages),
              plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)]
   st.check_smem(scratch, "dq", f"lower BlockSizes.stages ({stages}), block_q_dq ({bq}) or "
                 f"block_kv_dq ({bk})")
-  return st.launch(pope_dq_kernel, jax.ShapeDtypeStruct(a.shape, dtype), scratch,
-                   ctas=schedule.shape[0], compute_wgs=wgs)(a, b, v, do, lse, delta, q_pos,
-                                                           k_pos, table, schedule)
+  grad = jax.ShapeDtypeStruct((bsz, t_len, n_heads, h), dtype)
+  out_type = {"dq": grad, "d_angle": grad} if mapped else {"da": jax.ShapeDtypeStruct(
+      a.shape, dtype)}
+  out = st.launch(pope_dq_kernel, out_type, scratch, ctas=schedule.shape[0], compute_wgs=wgs)(
+      a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
+  return (out["dq"], out["d_angle"]) if mapped else out["da"]
 
 
+@functools.partial(jax.jit, static_argnames=('blocks',))
 def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
                        blocks: BlockSizes):
   """Per query head, the raw keys' gradient dk (db = ln 2 · dSᵀ·a through the key map's VJP,
-  s = 1) and dv = Pᵀ·dO; the caller sums a GQA group. One launch, or one per output with
-  `blocks.split_dkv` (at H = 128 one launch's float32 accumulators spill).
+  s = 1) and dv = Pᵀ·dO; the caller sums a GQA group.
+
+  Each compute warpgroup owns a key tile of `block_kv_dkv` rows, or, with `blocks.dkv_roles`,
+  both share one: warpgroup 0 computes S, P, dP and dS, accumulates dv and hands dS over
+  through SMEM (one buffer per ring slot); warpgroup 1 accumulates db = dSᵀ·a and maps it.
+  At H = 128 that keeps db's float32 accumulator (2H wide) apart from S, dP and dv, which
+  together spill in one warpgroup's registers.
 
   Args:
-    as `pope_attention_dq`'s, with keys resident in table and schedule.
+    as `pope_attention_dq`'s, with keys resident in table and schedule (one key tile per item
+    with `blocks.dkv_roles`, else one per compute warpgroup).
 
   Returns:
     dk [B, S, N, H] and dv [B, S, N, V] in a's dtype.
+
+  Raises:
+    ValueError: the buffers exceed SMEM.
   """
-  args = (a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
-  launches = (("dk",), ("dv",)) if blocks.split_dkv else (("dk", "dv"),)
-  return sum((_dkv(*args, blocks=blocks, outputs=outputs) for outputs in launches), ())
-
-
-@functools.partial(jax.jit, static_argnames=('blocks', 'outputs'))
-def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outputs):
-  """The dk/dv kernel computing `outputs`, ("dk",), ("dv",) or ("dk", "dv"), in that order."""
-  want_dk, want_dv = "dk" in outputs, "dv" in outputs
+  roles = blocks.dkv_roles
   bsz, _, n_heads, d = a.shape
   h, group = d // 2, n_heads // b.shape[2]
   s_len, vd = v.shape[1], v.shape[-1]
   bk, bq, stages = blocks.block_kv_dkv, blocks.block_q_dkv, blocks.stages
   dtype, wgs = a.dtype, st.COMPUTE_WGS
-  n_tiles = s_len // (wgs * bk)
-  # dv alone needs neither v nor Δ (v's tile stages dv's store).
-  resident = ("b", "kpos") + (("v",) if want_dk else ())
-  streamed = ("a", "do", "lse", "qpos") + (("delta",) if want_dk else ())
+  n_tiles = s_len // (bk if roles else wgs * bk)
+  resident, streamed = ("b", "v", "kpos"), ("a", "do", "lse", "qpos", "delta")
 
   def scratch_types(dk_in_v: bool):
-    res_types = _tiles(wgs, bk, ("b", "v", "kpos"), d, vd, dtype)
-    if want_dk and not dk_in_v:
+    res_types = _tiles(wgs, bk, resident, d, vd, dtype)
+    if not dk_in_v:
       res_types["dk"] = plgpu.SMEM((wgs, bk, h), dtype, transforms=st.tile_transforms(h))
+    if roles:  # dS handed from warpgroup 0 to 1, per ring slot
+      res_types["ds"] = plgpu.SMEM((stages, bk, bq), dtype, transforms=st.tile_transforms(bq))
     return (res_types, _tiles(stages, bq, streamed, d, vd, dtype),
             plgpu.Barrier(num_barriers=len(resident) * wgs),
             plgpu.Barrier(num_arrivals=len(streamed), num_barriers=stages),
-            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages))
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+            *[plgpu.Barrier(num_barriers=stages)] * roles)
 
-  # dk is staged in v's tile where V = H and there is no dv or no room for dk's own tile.
-  dk_in_v = want_dk and vd == h and (
-      not want_dv or st.smem_bytes(scratch_types(False)) > st.smem_limit())
+  # dk is staged in v's tile, after dv's store, where V = H and there is no room for its own
+  # (with roles, always: warpgroup 1 does not load v).
+  dk_in_v = vd == h and (roles or st.smem_bytes(scratch_types(False)) > st.smem_limit())
   scratch = scratch_types(dk_in_v)
 
   def pope_dkv_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
-                      tab_ref, sched_ref, out_refs, smem, str_smem, res_bar, ready, consumed):
+                      tab_ref, sched_ref, out_refs, smem, str_smem, res_bar, ready, consumed,
+                      *handed):
+    a_smem, do_smem = str_smem["a"], str_smem["do"]
+
     def tile_of(item):
       """(batch, head, kv head, resident key tile) of an item."""
       batch, head, rank = st.item_coords(item, n_heads, n_tiles, last_tile_first=False)
       return batch, head, lax.div(head, jnp.int32(group)), rank
+
+    def gradient_step(wg, slot, mode, p_terms, ds_terms, ds_to=None):
+      """`ops.gradient_step` of warpgroup wg's resident keys and the slot's queries."""
+      def probs(s_t):
+        if mode == "masked":
+          kpos = st.row_vector(smem["kpos"].at[wg], 0)
+          s_t = st.causal_mask(s_t, kpos, st.row_vector(str_smem["qpos"].at[slot], 1), 0)
+        lse = st.row_vector(str_smem["lse"].at[slot], 1)
+        return jnp.exp2(s_t - st.broadcast(lse, (bk, bq), 1))
+
+      def ds_of(p_t, dp_t):
+        dlt = st.row_vector(str_smem["delta"].at[slot], 1)
+        return p_t * (dp_t - st.broadcast(dlt, (bk, bq), 1))
+
+      return ops.gradient_step(
+          (smem["b"].at[wg], a_smem.at[slot].transpose((1, 0)), (bk, bq)),
+          (smem["v"].at[wg], do_smem.at[slot].transpose((1, 0)), (bk, bq)),
+          probs, ds_of, p_terms, ds_terms, dtype, overlap=blocks.overlap_bwd, ds_to=ds_to)
+
+    def zeros(width):
+      return plgpu.layout_cast(jnp.zeros((bk, width), jnp.float32), plgpu.Layout.WGMMA)
+
+    def store(o, acc, wg, batch, cols, head, wait: bool):
+      """Stages output o's accumulator in SMEM (its own tile, or warpgroup wg's v tile) and
+      stores it; with `wait`, once the previous store from that tile has read it."""
+      staging = smem["dk"] if o == "dk" and not dk_in_v else smem["v"]
+      if wait:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      staging.at[wg][...] = acc.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(staging.at[wg], out_refs[o].at[batch, cols, head])
+
+    def key_map_vjp(db, wg):  # db through the key map's VJP (s = 1): the raw keys' gradient
+      return cartesian_vjp(plgpu.load(smem["b"].at[wg], layout=plgpu.Layout.WGMMA),
+                           db * _LN2, 1.0)[0]
 
     def item_body(item, base, wg):
       batch, head, kv_head, tile = tile_of(item)
@@ -218,48 +272,57 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outp
       src = {"b": b_ref.at[batch, cols, kv_head], "v": v_ref.at[batch, cols, kv_head],
              "kpos": kpos_ref.at[batch, cols]}
       st.load_resident([(src[name], smem[name]) for name in resident], wg, res_bar)
-      kpos = st.row_vector(smem["kpos"].at[wg], 0)
       ranges = st.read_ranges(tab_ref, batch, tile, wg)
       origin = ranges[0] - base  # this item's first step is the ring's step `base`
 
       def step(slot, accs, mode):
-        accs = dict(zip(outputs, accs))
-        a_smem, do_smem = str_smem["a"], str_smem["do"]
+        dv, db = accs
+        (dv,), (db,) = gradient_step(wg, slot, mode, ((dv, do_smem.at[slot]),),
+                                     ((db, a_smem.at[slot]),))
+        return dv, db
 
-        def probs(s_t):
-          if mode == "masked":
-            s_t = st.causal_mask(s_t, kpos, st.row_vector(str_smem["qpos"].at[slot], 1), 0)
-          lse = st.row_vector(str_smem["lse"].at[slot], 1)
-          return jnp.exp2(s_t - st.broadcast(lse, (bk, bq), 1))
+      dv, db = st.compute_loops(ranges, origin, (zeros(vd), zeros(d)), step, stages, ready,
+                                consumed)
+      store("dv", dv, wg, batch, cols, head, wait=False)  # (load_resident waited)
+      store("dk", key_map_vjp(db, wg), wg, batch, cols, head, wait=dk_in_v)
+      return base + ranges[1] - ranges[0]
 
-        def ds_of(p_t, dp_t):
-          dlt = st.row_vector(str_smem["delta"].at[slot], 1)
-          return p_t * (dp_t - st.broadcast(dlt, (bk, bq), 1))
+    def roles_item_body(item, base, wg):
+      batch, head, kv_head, tile = tile_of(item)
+      cols = pl.ds(tile * bk, bk)
+      ranges = st.read_ranges(tab_ref, batch, tile, 0)
+      origin = ranges[0] - base
 
-        p_terms = ((accs["dv"], do_smem.at[slot]),) if want_dv else ()
-        ds_terms = ((accs["dk"], a_smem.at[slot]),) if want_dk else ()
-        p_accs, ds_accs = ops.gradient_step(
-            (smem["b"].at[wg], a_smem.at[slot].transpose((1, 0)), (bk, bq)),
-            (smem["v"].at[wg], do_smem.at[slot].transpose((1, 0)), (bk, bq)),
-            probs, ds_of, p_terms, ds_terms, dtype, overlap=blocks.overlap_bwd)
-        accs.update(zip(("dv",) * want_dv + ("dk",) * want_dk, p_accs + ds_accs))
-        return tuple(accs[o] for o in outputs)
+      @pl.when(wg == 0)
+      def _scores_and_dv():
+        st.load_resident([(b_ref.at[batch, cols, kv_head], smem["b"]),
+                          (v_ref.at[batch, cols, kv_head], smem["v"]),
+                          (kpos_ref.at[batch, cols], smem["kpos"])], 0, res_bar)
 
-      widths = {"dk": d, "dv": vd}  # The dk accumulator holds db (D wide).
-      accs = tuple(plgpu.layout_cast(jnp.zeros((bk, widths[o]), jnp.float32),
-                                     plgpu.Layout.WGMMA) for o in outputs)
-      accs = dict(zip(outputs, st.compute_loops(ranges, origin, accs, step, stages, ready,
-                                                consumed)))
-      if want_dk:  # db through the key map's VJP (s = 1): the raw keys' gradient.
-        accs["dk"], _ = cartesian_vjp(plgpu.load(smem["b"].at[wg], layout=plgpu.Layout.WGMMA),
-                                      accs["dk"] * _LN2, 1.0)
-      stage = {"dk": smem["v"] if dk_in_v else smem.get("dk"), "dv": smem["v"]}
-      for i, o in enumerate(outputs):  # each output staged in SMEM and stored
-        if i and dk_in_v:  # The previous output's store must have read the shared tile.
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        stage[o].at[wg][...] = accs[o].astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(stage[o].at[wg], out_refs[o].at[batch, cols, head])
+        def step(slot, dv, mode):
+          def hand_over(ds):
+            smem["ds"].at[slot][...] = ds
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(handed[0].at[slot])
+          (dv,), _ = gradient_step(0, slot, mode, ((dv, do_smem.at[slot]),), (), hand_over)
+          return dv
+
+        dv = st.compute_loops(ranges, origin, zeros(vd), step, stages, ready, consumed)
+        store("dv", dv, 0, batch, cols, head, wait=False)  # (load_resident waited)
+
+      @pl.when(wg == 1)
+      def _dk():
+        # Its own copy of the keys, for the VJP (warpgroup 0 may load the next item's).
+        plgpu.copy_gmem_to_smem(b_ref.at[batch, cols, kv_head], smem["b"].at[1], res_bar.at[1])
+
+        def step(slot, db, mode):
+          plgpu.barrier_wait(handed[0].at[slot])
+          return ops.matmul_acc(db, smem["ds"].at[slot], a_smem.at[slot])
+
+        db = st.compute_loops(ranges, origin, zeros(d), step, stages, ready, consumed)
+        plgpu.barrier_wait(res_bar.at[1])
+        store("dk", key_map_vjp(db, 1), 1, batch, cols, head, wait=True)
+
       return base + ranges[1] - ranges[0]
 
     def copies(item, s):
@@ -270,14 +333,14 @@ def _dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *, blocks, outp
              "qpos": qpos_ref.at[batch, rows]}
       return tuple((src[n], str_smem[n]) for n in streamed)
 
-    _fork(sched_ref, item_body, lambda for_items: st.memory_warpgroup(
-        for_items, tile_of, tab_ref, copies, stages, consumed, ready))
+    _fork(sched_ref, roles_item_body if roles else item_body,
+          lambda for_items: st.memory_warpgroup(for_items, tile_of, tab_ref, copies, stages,
+                                                consumed, ready))
 
   st.check_smem(scratch, "dk/dv", f"lower BlockSizes.stages ({stages}), block_kv_dkv ({bk}) or "
                 f"block_q_dkv ({bq})")
-  shapes = {"dk": (bsz, s_len, n_heads, h), "dv": (bsz, s_len, n_heads, vd)}
-  out = st.launch(pope_dkv_kernel, {o: jax.ShapeDtypeStruct(shapes[o], dtype) for o in outputs},
-                  scratch, ctas=schedule.shape[0], compute_wgs=wgs)(
-                      a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
-  return tuple(out[o] for o in outputs)
-
+  out_type = {"dk": jax.ShapeDtypeStruct((bsz, s_len, n_heads, h), dtype),
+              "dv": jax.ShapeDtypeStruct((bsz, s_len, n_heads, vd), dtype)}
+  out = st.launch(pope_dkv_kernel, out_type, scratch, ctas=schedule.shape[0], compute_wgs=wgs)(
+      a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
+  return out["dk"], out["dv"]

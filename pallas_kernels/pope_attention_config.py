@@ -30,7 +30,7 @@ class BlockSizes:
     forward_warpgroups: 2, 3, or None: 3 where they fit in SMEM (softmax overlaps two matmuls).
     ping_pong: two forward warpgroups take turns on the tensor cores (FA3 §3.1); not with 3.
     overlap_bwd: backward issues S and dP together (FA3's order); spills with 128-wide streams.
-    split_dkv: dk and dv in two launches: one launch's float32 accumulators spill at H = 128.
+    dkv_roles: dk/dv kernel: both warpgroups on one key tile, one for dS and dv, one for dk.
     row_sum_mma: forward row sums as P @ 1 on the tensor cores; the softmax bounds the forward.
     bounded_softmax: bf16 forward skips the running max where PoPE's magnitudes bound a tile.
     rescale_threshold: log2 units a row's max may grow before rescaling (FA4); None: every step.
@@ -45,7 +45,7 @@ class BlockSizes:
   forward_warpgroups: int | None = None
   ping_pong: bool = True
   overlap_bwd: bool = False
-  split_dkv: bool = False
+  dkv_roles: bool = False
   row_sum_mma: bool = False
   bounded_softmax: bool = False
   rescale_threshold: float | None = None
@@ -83,11 +83,11 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
   """The tuned values on the H200 for PoPE head dim H (the results page has the measurements).
 
   H <= 64: `BlockSizes()`. H = 128: two forward warpgroups without ping-pong, 64-row key steps,
-  the backward in FA3's order with dk and dv in two launches, row sums on the tensor cores and
-  rescaling at 8. `bounded_softmax` stays off everywhere: it needs bounded tiles to pay off.
+  the backward in FA3's order with the dk/dv warpgroups in roles, row sums on the tensor cores
+  and rescaling at 8. `bounded_softmax` stays off everywhere: it needs bounded tiles to pay off.
   """
   if head_dim <= 64:
     return BlockSizes()
   return BlockSizes(block_kv=64, block_kv_dq=64, block_q_dkv=64, forward_warpgroups=2,
-                    ping_pong=False, overlap_bwd=True, split_dkv=True, row_sum_mma=True,
+                    ping_pong=False, overlap_bwd=True, dkv_roles=True, row_sum_mma=True,
                     rescale_threshold=8.0)

@@ -431,12 +431,15 @@ def test_cartesian_vjp_magnitude_factor():
                              -np.expm1(-mu64) / mu64, rtol=2e-5)
   np.testing.assert_array_equal(d_angle, 0.0)
 
-@pytest.mark.parametrize("head_dim, split_dkv", [(64, False), (64, True), (128, False)])
-def test_dk_dv_in_one_or_two_launches(head_dim, split_dkv):
-  # The defaults (one launch at H = 64, two at H = 128; the latter in the hypothesis test) and
-  # the other schedule at each head dim.
+@pytest.mark.parametrize("head_dim, change", [
+    (64, {"dkv_roles": True}), (128, {"dkv_roles": False}),
+    (32, {"dkv_roles": True, "overlap_bwd": True, "block_q_dkv": 64}),
+    (32, {"dkv_roles": True, "stages": 3})])
+def test_dk_dv_schedules(head_dim, change):
+  # The dk/dv schedules other than each head dim's default (which the hypothesis test runs):
+  # the warpgroups on a key tile each, or in roles on one (dS handed over per ring slot).
   q, k, v, delta, cot = _problem((1, 2, 1, head_dim), 90, 120, seed=7)
-  blocks = dataclasses.replace(default_block_sizes(head_dim), split_dkv=split_dkv)
+  blocks = dataclasses.replace(default_block_sizes(head_dim), **change)
 
   got = _kernel_value_and_grads(blocks, q, k, v, delta, cot, is_causal=True)
   _assert_close(got, _value_and_grads("xla", q, k, v, delta, cot, is_causal=True))
@@ -648,7 +651,7 @@ def test_block_size_defaults_and_types():
   assert decided(default_block_sizes(128), 128, 128) == (2, False)
   assert decided(dataclasses.replace(default_block_sizes(64), forward_warpgroups=3,
                                      ping_pong=True), 64, 64) == (3, False)
-  assert default_block_sizes(128).split_dkv and not default_block_sizes(64).split_dkv
+  assert default_block_sizes(128).dkv_roles and not default_block_sizes(64).dkv_roles
   assert default_block_sizes(128).overlap_bwd and not default_block_sizes(64).overlap_bwd
   assert not any(default_block_sizes(h).bounded_softmax for h in (64, 128))
   assert default_block_sizes(128).row_sum_mma and not default_block_sizes(64).row_sum_mma
@@ -656,8 +659,8 @@ def test_block_size_defaults_and_types():
   assert default_block_sizes(64).rescale_threshold is None
   with pytest.raises(TypeError, match="overlap_bwd"):
     BlockSizes(overlap_bwd=1)
-  with pytest.raises(TypeError, match="split_dkv"):
-    BlockSizes(split_dkv=1)
+  with pytest.raises(TypeError, match="dkv_roles"):
+    BlockSizes(dkv_roles=1)
   with pytest.raises(TypeError, match="stages"):
     BlockSizes(stages=2.5)
   with pytest.raises(TypeError, match="block_q"):
