@@ -213,24 +213,30 @@ def _ratio(ms: float, ref_ms: float | None) -> str:
   return f"{'-':>6s}" if ref_ms is None else f"{ms / ref_ms:6.2f}"
 
 
+ROWS = ("xla reference", *BASELINES, TOKAMAX_AUTOTUNED, "fused PoPE (ours)",
+        "fused, bounded_softmax", "RoPE cuDNN (scale)")
+
+
 def bench_head_dim(shape_name: str, iters: int, with_tokamax: bool, dtype=jnp.bfloat16,
-                   tokamax_autotune: bool = False) -> dict:
-  """The main table of one shape: every row's fwd and fwd+bwd ms, TFLOP/s and ratios to the
-  fastest baseline (/best), to untuned tokamax (/tk) and to autotuned tokamax (/tk at, with
-  `tokamax_autotune`)."""
+                   tokamax_autotune: bool = False, rows_wanted=ROWS) -> dict:
+  """The main table of one shape: the fwd and fwd+bwd ms, TFLOP/s and ratios to the fastest
+  baseline (/best), to untuned tokamax (/tk) and to autotuned tokamax (/tk at, with
+  `tokamax_autotune`) of each row of `rows_wanted` (names in ROWS)."""
   shape = SHAPES[shape_name]
   args = random_inputs(shape, jnp.dtype(dtype))
   flops = shape.forward_flops()
-  rows = [_measure("xla reference", _pope_xla, args, flops, iters)]
-  rows += [_measure(name, fn, args, flops, iters) for name, (fn, tk) in BASELINES.items()
-           if with_tokamax or not tk]
-  if with_tokamax and tokamax_autotune:
-    rows.append(_measure_autotuned(args, flops, iters))
-  rows.append(_measure("fused PoPE (ours)", _pope_pallas, args, flops, iters))
   bounded = dataclasses.replace(default_block_sizes(shape.head_dim), bounded_softmax=True)
-  rows.append(_measure("fused, bounded_softmax", functools.partial(_pope_pallas, blocks=bounded),
-                       args, flops, iters))
-  rows.append(_measure("RoPE cuDNN (scale)", _rope_cudnn, args, flops, iters))
+  paths = {"xla reference": _pope_xla,
+           **{name: fn for name, (fn, tk) in BASELINES.items() if with_tokamax or not tk},
+           "fused PoPE (ours)": _pope_pallas,
+           "fused, bounded_softmax": functools.partial(_pope_pallas, blocks=bounded),
+           "RoPE cuDNN (scale)": _rope_cudnn}
+  rows = []
+  for name in ROWS:
+    if name in rows_wanted and name in paths:
+      rows.append(_measure(name, paths[name], args, flops, iters))
+    elif name in rows_wanted and name == TOKAMAX_AUTOTUNED and with_tokamax and tokamax_autotune:
+      rows.append(_measure_autotuned(args, flops, iters))
   baselines = [r for r in rows if r["name"] in (*BASELINES, TOKAMAX_AUTOTUNED)
                and "error" not in r]
   best = {key: min((r[key] for r in baselines), default=float("nan"))
@@ -335,8 +341,8 @@ def check_failures(rows: list[dict], tol: float) -> list[str]:
 # PoPE's magnitude bound fails on every tile (`bounded_softmax`'s miss case); "tiles" scales
 # every other query tile by `_tile_scale`'s factor (half the items bounded).
 VARIANTS = [
-    ("bench_h64", 1.0, [{}, {"block_q_dkv": 64}, {"block_q_dkv": 64, "overlap_bwd": True},
-                        {"overlap_bwd": True}, {"dkv_roles": True}]),
+    ("bench_h128", 1.0, [{}, {"dkv_roles": False}]),
+    ("bench_h64", 1.0, [{}, {"dkv_roles": True}]),
 ]
 
 
@@ -515,6 +521,8 @@ def main():
                       help="main tables' shapes of pallas_kernels.shapes, comma-separated")
   parser.add_argument("--dtypes", default="bfloat16",
                       help="main tables' input dtypes, comma-separated (bfloat16, float16)")
+  parser.add_argument("--rows", default=",".join(ROWS),
+                      help=f"main tables' rows, comma-separated, of: {', '.join(ROWS)}")
   parser.add_argument("--tokamax-autotune", action="store_true",
                       help="main tables also time tokamax after tokamax.autotune (slow)")
   parser.add_argument("--variants", action="store_true", help="time block-size variants")
@@ -544,6 +552,9 @@ def main():
   if unknown := [n for n in check_shapes if n not in SHAPES]:
     parser.error(f"--check-shapes: unknown {unknown}; known: {sorted(SHAPES)}")
   bench_dtypes = dtype_list("--dtypes", args.dtypes)
+  rows_wanted = [n.strip() for n in args.rows.split(",") if n.strip()]
+  if not rows_wanted or (unknown := [n for n in rows_wanted if n not in ROWS]):
+    parser.error(f"--rows {args.rows!r}: give some of {list(ROWS)}")
   bench_shapes = [n.strip() for n in args.shapes.split(",") if n.strip()]
   if not bench_shapes or (unknown := [n for n in bench_shapes if n not in SHAPES]):
     parser.error(f"--shapes {args.shapes!r}: give some of {sorted(SHAPES)}")
@@ -566,7 +577,8 @@ def main():
     # Keys: the shape's name, followed by the dtype for dtypes other than bfloat16.
     results["bench"] = {n if d == "bfloat16" else f"{n} {d}":
                         bench_head_dim(n, args.iters, with_tokamax, d,
-                                       tokamax_autotune=args.tokamax_autotune)
+                                       tokamax_autotune=args.tokamax_autotune,
+                                       rows_wanted=rows_wanted)
                         for d in bench_dtypes for n in bench_shapes}
   if args.variants:
     results["variants"] = variants(args.iters)
