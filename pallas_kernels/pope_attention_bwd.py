@@ -89,24 +89,21 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
     blocks: tile sizes; magnitude_scale: s, or None to return da (fp16: the caller maps it).
 
   Returns:
-    With `magnitude_scale`, dq and dφ (each element's angle gradient; the phase's is its sum
-    over B and T), [B, T, N, H] each; else da [B, T, N, D]; in a's dtype.
+    [B, T, N, D] in a's dtype: [dq | dφ] (each element's angle gradient; the phase's is its
+    sum over B and T) with `magnitude_scale`, else da.
 
   Raises:
     ValueError: the buffers exceed SMEM.
   """
-  bsz, t_len, n_heads, d = a.shape
-  vd, group, h = v.shape[-1], n_heads // b.shape[2], d // 2
+  _, t_len, n_heads, d = a.shape
+  vd, group = v.shape[-1], n_heads // b.shape[2]
   bq, bk, stages = blocks.block_q_dq, blocks.block_kv_dq, blocks.stages
   dtype, wgs = a.dtype, st.COMPUTE_WGS
   n_tiles = t_len // (wgs * bq)
-  mapped = magnitude_scale is not None
 
   def pope_dq_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
-                     tab_ref, sched_ref, out_refs, a_smem, do_smem, lse_smem, delta_smem,
+                     tab_ref, sched_ref, dq_ref, a_smem, do_smem, lse_smem, delta_smem,
                      qpos_smem, b_smem, v_smem, kpos_smem, res_bar, ready, consumed):
-    # Mapped, a's tile stages dq and dφ once the VJP has read it (`stage`, wg's rows alike).
-    a_smem, stage = a_smem if mapped else (a_smem, None)
     tile_of = lambda item: st.item_coords(item, n_heads, n_tiles, last_tile_first=True)
 
     def item_body(item, base, wg):
@@ -136,19 +133,15 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
 
       dq_acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
       dq_acc = st.compute_loops(ranges, origin, dq_acc, step, stages, ready, consumed)
-      if not mapped:
+      if magnitude_scale is None:
         a_smem.at[wg][...] = (dq_acc * _LN2).astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(a_smem.at[wg], out_refs["da"].at[batch, rows, head])
       else:
-        grads = cartesian_vjp(plgpu.load(a_smem.at[wg], layout=plgpu.Layout.WGMMA),
-                              dq_acc * _LN2, magnitude_scale)
-        plgpu.commit_smem()  # (the warpgroup has read a)
-        for i, grad in enumerate(grads):
-          stage.at[wg, i][...] = grad.astype(dtype)
-        plgpu.commit_smem()
-        for i, name in enumerate(("dq", "d_angle")):
-          plgpu.copy_smem_to_gmem(stage.at[wg, i], out_refs[name].at[batch, rows, head])
+        dq, d_angle = cartesian_vjp(plgpu.load(a_smem.at[wg], layout=plgpu.Layout.WGMMA),
+                                    dq_acc * _LN2, magnitude_scale)
+        a_smem.at[wg][...] = plgpu.layout_cast(jnp.concatenate(
+            [dq.astype(dtype), d_angle.astype(dtype)], axis=1), plgpu.Layout.WGMMA)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(a_smem.at[wg], dq_ref.at[batch, rows, head])
       return base + ranges[1] - ranges[0]
 
     _fork(sched_ref, item_body, lambda for_items: st.stream_keys(
@@ -156,21 +149,15 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
         group, bk, stages, consumed, ready))
 
   resident = _tiles(wgs, bq, ("a", "do", "lse", "delta", "qpos"), d, vd, dtype)
-  if mapped:  # [wg, 0] dq, [wg, 1] dφ: the same bytes as a's tile [wg]
-    resident["a"] = plgpu.RefUnion(resident["a"], plgpu.SMEM(
-        (wgs, 2, bq, h), dtype, transforms=st.tile_transforms(h)))
   streamed = _tiles(stages, bk, ("b", "v", "kpos"), d, vd, dtype)
   scratch = [*resident.values(), *streamed.values(), plgpu.Barrier(num_barriers=5 * wgs),
              plgpu.Barrier(num_arrivals=3, num_barriers=stages),
              plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)]
   st.check_smem(scratch, "dq", f"lower BlockSizes.stages ({stages}), block_q_dq ({bq}) or "
                 f"block_kv_dq ({bk})")
-  grad = jax.ShapeDtypeStruct((bsz, t_len, n_heads, h), dtype)
-  out_type = {"dq": grad, "d_angle": grad} if mapped else {"da": jax.ShapeDtypeStruct(
-      a.shape, dtype)}
-  out = st.launch(pope_dq_kernel, out_type, scratch, ctas=schedule.shape[0], compute_wgs=wgs)(
-      a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
-  return (out["dq"], out["d_angle"]) if mapped else out["da"]
+  return st.launch(pope_dq_kernel, jax.ShapeDtypeStruct(a.shape, dtype), scratch,
+                   ctas=schedule.shape[0], compute_wgs=wgs)(a, b, v, do, lse, delta, q_pos,
+                                                           k_pos, table, schedule)
 
 
 @functools.partial(jax.jit, static_argnames=('blocks',))
@@ -202,10 +189,10 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
   bk, bq, stages = blocks.block_kv_dkv, blocks.block_q_dkv, blocks.stages
   dtype, wgs = a.dtype, st.COMPUTE_WGS
   n_tiles = s_len // (bk if roles else wgs * bk)
-  resident, streamed = ("b", "v", "kpos"), ("a", "do", "lse", "qpos", "delta")
+  resident, streamed = ("b", "kpos", "v"), ("a", "do", "lse", "qpos", "delta")
 
   def scratch_types(dk_in_v: bool):
-    res_types = _tiles(wgs, bk, resident, d, vd, dtype)
+    res_types = _tiles(wgs, bk, ("b", "v", "kpos"), d, vd, dtype)
     if not dk_in_v:
       res_types["dk"] = plgpu.SMEM((wgs, bk, h), dtype, transforms=st.tile_transforms(h))
     if roles:  # dS handed from warpgroup 0 to 1, per ring slot
@@ -216,7 +203,7 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
             plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
             *[plgpu.Barrier(num_barriers=stages)] * roles)
 
-  # dk is staged in v's tile, after dv's store, where V = H and there is no room for its own
+  # dk is staged in v's tile, before dv's store, where V = H and there is no room for its own
   # (with roles, always: warpgroup 1 does not load v).
   dk_in_v = vd == h and (roles or st.smem_bytes(scratch_types(False)) > st.smem_limit())
   scratch = scratch_types(dk_in_v)
@@ -231,11 +218,11 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
       batch, head, rank = st.item_coords(item, n_heads, n_tiles, last_tile_first=False)
       return batch, head, lax.div(head, jnp.int32(group)), rank
 
-    def gradient_step(wg, slot, mode, p_terms, ds_terms, ds_to=None):
-      """`ops.gradient_step` of warpgroup wg's resident keys and the slot's queries."""
+    def gradient_step(wg, kpos, slot, mode, p_terms, ds_terms, ds_to=None):
+      """`ops.gradient_step` of warpgroup wg's resident keys (positions `kpos`) and the slot's
+      queries."""
       def probs(s_t):
         if mode == "masked":
-          kpos = st.row_vector(smem["kpos"].at[wg], 0)
           s_t = st.causal_mask(s_t, kpos, st.row_vector(str_smem["qpos"].at[slot], 1), 0)
         lse = st.row_vector(str_smem["lse"].at[slot], 1)
         return jnp.exp2(s_t - st.broadcast(lse, (bk, bq), 1))
@@ -272,19 +259,20 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
       src = {"b": b_ref.at[batch, cols, kv_head], "v": v_ref.at[batch, cols, kv_head],
              "kpos": kpos_ref.at[batch, cols]}
       st.load_resident([(src[name], smem[name]) for name in resident], wg, res_bar)
+      kpos = st.row_vector(smem["kpos"].at[wg], 0)
       ranges = st.read_ranges(tab_ref, batch, tile, wg)
       origin = ranges[0] - base  # this item's first step is the ring's step `base`
 
       def step(slot, accs, mode):
-        dv, db = accs
-        (dv,), (db,) = gradient_step(wg, slot, mode, ((dv, do_smem.at[slot]),),
+        db, dv = accs
+        (dv,), (db,) = gradient_step(wg, kpos, slot, mode, ((dv, do_smem.at[slot]),),
                                      ((db, a_smem.at[slot]),))
-        return dv, db
+        return db, dv
 
-      dv, db = st.compute_loops(ranges, origin, (zeros(vd), zeros(d)), step, stages, ready,
+      db, dv = st.compute_loops(ranges, origin, (zeros(d), zeros(vd)), step, stages, ready,
                                 consumed)
-      store("dv", dv, wg, batch, cols, head, wait=False)  # (load_resident waited)
-      store("dk", key_map_vjp(db, wg), wg, batch, cols, head, wait=dk_in_v)
+      store("dk", key_map_vjp(db, wg), wg, batch, cols, head, wait=False)  # (load_resident's)
+      store("dv", dv, wg, batch, cols, head, wait=dk_in_v)
       return base + ranges[1] - ranges[0]
 
     def roles_item_body(item, base, wg):
@@ -298,13 +286,15 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
         st.load_resident([(b_ref.at[batch, cols, kv_head], smem["b"]),
                           (v_ref.at[batch, cols, kv_head], smem["v"]),
                           (kpos_ref.at[batch, cols], smem["kpos"])], 0, res_bar)
+        kpos = st.row_vector(smem["kpos"].at[0], 0)
 
         def step(slot, dv, mode):
           def hand_over(ds):
             smem["ds"].at[slot][...] = ds
             plgpu.commit_smem()
             plgpu.barrier_arrive(handed[0].at[slot])
-          (dv,), _ = gradient_step(0, slot, mode, ((dv, do_smem.at[slot]),), (), hand_over)
+          (dv,), _ = gradient_step(0, kpos, slot, mode, ((dv, do_smem.at[slot]),), (),
+                                   hand_over)
           return dv
 
         dv = st.compute_loops(ranges, origin, zeros(vd), step, stages, ready, consumed)
