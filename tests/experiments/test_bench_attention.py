@@ -63,6 +63,25 @@ def test_unknown_check_shape_is_a_usage_error(monkeypatch, capsys):
   assert "check_h65" in capsys.readouterr().err
 
 
+def test_unknown_row_is_a_usage_error(monkeypatch, capsys):
+  monkeypatch.setattr(sys, "argv", ["bench_attention", "--rows", "fused PoPE (ours),flash"])
+  with pytest.raises(SystemExit) as exit_info:
+    bench_attention.main()
+  assert exit_info.value.code == 2
+  assert "'fused PoPE (ours),flash'" in capsys.readouterr().err
+
+
+def test_rows_select_the_main_table(monkeypatch):
+  # Only the named rows are timed, in the table's order.
+  timed = []
+  monkeypatch.setattr(bench_attention, "_measure",
+                      lambda name, *a, **k: timed.append(name) or {"name": name, "error": "-"})
+  monkeypatch.setattr(bench_attention, "random_inputs", lambda shape, dtype=None: (None,) * 4)
+  bench_attention.bench_head_dim("bench_h64", 1, with_tokamax=False, rows_wanted=(
+      "RoPE cuDNN (scale)", "fused PoPE (ours)", bench_attention.TOKAMAX))
+  assert timed == ["fused PoPE (ours)", "RoPE cuDNN (scale)"]
+
+
 def test_tokamax_autotune_rows_and_ratios(monkeypatch, capsys):
   # A fake tokamax (plain XLA attention; `autotune` records what it tunes and returns a
   # context): the autotuned row is timed under the results of tuning its forward and its
