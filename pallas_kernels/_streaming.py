@@ -42,19 +42,11 @@ M_INIT = -1e30
 def visit_table(row_pos: jax.Array, col_pos: jax.Array, row_block: int, col_block: int, *,
                 rows_are_queries: bool, wgs: int = COMPUTE_WGS) -> jax.Array:
   """Per group of `wgs` resident tiles (an item) the streamed-step ranges of its warpgroups,
-  [B, ceil(R / wgs), 2 + 4 * wgs] int32.
-
-  Args:
-    row_pos: [B, R * row_block] float32 positions of the resident side.
-    col_pos: [B, C * col_block] float32 positions of the streamed side.
-    row_block, col_block: tile sizes.
-    rows_are_queries: resident tiles are queries (forward, dq) or keys (dk/dv).
-    wgs: compute warpgroups per CTA. Where R is not a multiple of it, the last group has
-      tiles past the rows, which visit nothing.
-
-  Returns:
-    int32 table; row [u_lo, u_hi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, ...].
-  """
+  [B, ceil(R / wgs), 2 + 4 * wgs] int32, a row [u_lo, u_hi, lo0, flo0, fhi0, hi0, lo1, ...],
+  from the float32 positions row_pos [B, R * row_block] of the resident side (queries in the
+  forward and dq, by `rows_are_queries`; keys in dk/dv) and col_pos [B, C * col_block] of the
+  streamed side. `wgs`: compute warpgroups per CTA; where R is not a multiple of it, the last
+  group has tiles past the rows, which visit nothing."""
   b = row_pos.shape[0]
   rows = -(-row_pos.shape[1] // (wgs * row_block)) * wgs * row_block
   row_pos = jnp.pad(row_pos, ((0, 0), (0, rows - row_pos.shape[1])),
@@ -105,9 +97,8 @@ def causal_steps(n_tiles: int, tile_rows: int, n_cols: int, step_cols: int, offs
 
 
 def num_sms() -> int:
-  """Streaming multiprocessors of the first device (132 on the H200). In the CPU interpreter
-  there is no limit, so each CTA runs one item: interpreted runs with several items per CTA
-  can hang on a machine with few cores."""
+  """Streaming multiprocessors of the first device (132 on the H200); unlimited in the CPU
+  interpreter, so each CTA runs one item (several per CTA can hang on a machine with few cores)."""
   if interpreted():
     return 2 ** 31 - 1
   return getattr(jax.local_devices()[0], "core_count", 132)
@@ -116,10 +107,10 @@ def num_sms() -> int:
 def launch_schedule(bsz: int, n_heads: int, n_tiles: int, steps: np.ndarray,
                     longest_last_tile: bool) -> np.ndarray:
   """Which CTA runs which of a kernel's items (`item_coords`; rank 0 is the last tile when
-  `longest_last_tile`, else tile 0), [grid, 1 + max items per CTA] int32: per CTA its item
-  count, then its items (-1 padding). At most one CTA per SM (`num_sms`); each item in launch
-  order goes to the CTA with the least work so far by `causal_steps`' [n_tiles] `steps`, so a
-  batch's items run at about the same time and its keys stay in L2."""
+  `longest_last_tile`, else tile 0), [grid, 1 + max items per CTA] int32: per CTA its item count,
+  then its items (-1 padding). At most one CTA per SM (`num_sms`); each item in launch order goes
+  to the CTA with the least work so far by `causal_steps`' [n_tiles] `steps`, so a batch's items
+  run together and its keys stay in L2."""
   ranks = np.arange(n_tiles)
   per_rank = steps[n_tiles - 1 - ranks] if longest_last_tile else steps[ranks]
   lengths = np.tile(np.repeat(per_rank, n_heads), bsz)  # per item, in launch order
@@ -177,10 +168,9 @@ def load_resident(copies, wg, barriers) -> None:
 
 
 def compute_loops(ranges, origin, carry, step, stages: int, ready, consumed, skipped=None):
-  """A compute warpgroup's steps s of one item over its five ranges: each waits for its slot
-  of the ring (origin = u_lo - the ring's step at u_lo, `memory_warpgroup`), runs carry =
-  step(slot, carry, mode) with mode "masked" or "full" (a "skip" step calls `skipped` after),
-  and releases the slot."""
+  """A compute warpgroup's steps s of one item over its five ranges: each waits for its ring
+  slot (origin = u_lo - the ring's step at u_lo, `memory_warpgroup`), runs carry = step(slot,
+  carry, mode), mode "masked" or "full" (a "skip" step calls `skipped` after), and releases it."""
   def run(s, carry, mode):
     with jax.named_scope("wait_kv"):
       slot = lax.rem(s - origin, stages)
@@ -211,11 +201,10 @@ def causal_mask(scores, k_pos, q_pos, key_axis: int):
 def memory_warpgroup(for_items, tile_of, tab_ref, copies, stages: int, consumed, ready,
                      registers: int = 40):
   """The TMA warpgroup of every kernel here. For each item (`for_items`), whose resident tile
-  tile_of(item) = (batch, ..., tile) visits the steps [u_lo, u_hi) of `tab_ref`
-  (`visit_table`), step s is the ring's step n = base + s - u_lo: once step n - stages
-  released slot n % stages, each (gmem ref, smem buffers) of `copies(item, s)` is copied into
-  it, signalling the slot's `ready` barrier, so the next item's copies overlap this one's math.
-  At the end it waits for the release of the ring's last steps."""
+  tile_of(item) = (batch, ..., tile) visits the steps [u_lo, u_hi) of `tab_ref` (`visit_table`),
+  step s is the ring's step n = base + s - u_lo: once step n - stages released slot n % stages,
+  each (gmem ref, smem buffers) of `copies(item, s)` is copied into it, signalling its `ready`
+  barrier (the next item's copies overlap this one's math). Ends once the last steps released."""
   plgpu.set_max_registers(registers, action="decrease")
 
   def item_body(item, base):
@@ -244,9 +233,8 @@ def memory_warpgroup(for_items, tile_of, tab_ref, copies, stages: int, consumed,
 
 def stream_keys(for_items, tile_of, tab_ref, gmem, smem, group: int, block_kv: int,
                 stages: int, consumed, ready, registers: int = 40):
-  """`memory_warpgroup` of the kernels with resident queries (forward, dq): per step the
-  `gmem` (b [B, S, K, D], v [B, S, K, V], key positions [B, S]) rows into `smem`'s slots;
-  `group` query heads per kv head."""
+  """`memory_warpgroup` for resident queries (forward, dq): per step rows of `gmem` (b [B, S, K, D],
+  v [B, S, K, V], key positions [B, S]) into `smem`'s slots; `group` query heads per kv head."""
   def copies(item, s):
     batch, head, _ = tile_of(item)
     kv_head = lax.div(head, jnp.int32(group))
@@ -261,8 +249,7 @@ def stream_keys(for_items, tile_of, tab_ref, gmem, smem, group: int, block_kv: i
 # --- SMEM budget, platform and compiler settings.
 
 def smem_bytes(scratch) -> int:
-  """An upper bound on the SMEM bytes of a scratch pytree (each buffer and barrier array
-  rounded up to Pallas' alignment)."""
+  """An upper bound on a scratch pytree's SMEM bytes (buffers, barriers aligned as Pallas does)."""
   sizes = [math.prod(buf.shape) * jnp.dtype(buf.dtype).itemsize
            if isinstance(buf, pallas_mgpu_core.GPUMemoryRef) else 8 * math.prod(buf.num_barriers)
            for buf in jax.tree.leaves(scratch)]
@@ -316,8 +303,7 @@ def broadcast(x, shape, axis: int):
 
 
 def tile_transforms(width: int = 64):
-  """SMEM tiling and swizzle of a 16-bit tile `width` (16, 32, or a multiple of 64) or more
-  columns wide."""
+  """SMEM tiling and swizzle of a 16-bit tile `width` (16, 32, or k·64) or more columns wide."""
   swizzle = min(width, 64) * 2
   return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 

@@ -1,8 +1,8 @@
 """Compute-warpgroup operations whose GPU and CPU-interpreter paths differ.
 
-On the GPU: wgmma matmuls (fresh, accumulating, and the backward's gradient step)
-and a lane vote; in the CPU interpreter (`_streaming.interpreted`), which has no register-operand
-wgmma, no `run_state` and no warp vote, the same values computed in turn with jnp.
+On the GPU: wgmma matmuls (fresh, accumulating, the backward's gradient step) and a lane vote;
+in the CPU interpreter (`_streaming.interpreted`), which has no register-operand wgmma, no
+`run_state` and no warp vote, the same values computed in turn with jnp.
 
 Shape letters: M rows of the resident tile, N columns of the streamed step, W accumulator width.
 """
@@ -63,15 +63,10 @@ def gradient_step(scores, dscores, probs, ds_of, p_terms, ds_terms, dtype, *, ov
   dS is computed, before P's updates are awaited. Each wgmma is awaited in turn, or with
   `overlap` (not in the interpreter) in FlashAttention-3's backward order: S and dP issued
   together, P's updates in flight while dS is computed (two float32 score tiles live).
-
-  Args:
-    scores, dscores: (lhs, rhs, [M, N]) SMEM operands of S and dP.
-    probs, ds_of: float32 tile maps; p_terms, ds_terms: ((float32 [M, W], SMEM rhs [N, W]), ...).
-    ds_to: None, or a function of dS [M, N] in `dtype` (e.g. a store for another warpgroup).
-
-  Returns:
-    (p_terms' updated accumulators, ds_terms'), two tuples.
-  """
+  scores, dscores: (lhs, rhs, [M, N]) SMEM operands of S and dP; probs, ds_of: float32 tile
+  maps; p_terms, ds_terms: ((float32 [M, W], SMEM rhs [N, W]), ...); ds_to: None, or a function
+  of dS [M, N] in `dtype` (e.g. a store for another warpgroup). Returns the updated accumulators
+  of p_terms and of ds_terms, two tuples."""
   need_ds = bool(ds_terms) or ds_to is not None
   if not overlap or st.interpreted():
     p = probs(matmul(*scores))

@@ -3,12 +3,10 @@
 PoPE (arXiv 2509.10534, Eq. 5/6) is ordinary attention over the 2H-wide Cartesian vectors
   q'_t = [μq cos(tθ - δ), μq sin(tθ - δ)],  k'_s = [μk cos sθ, μk sin sθ],  μ = softplus.
 XLA maps the keys (`key_map`); the forward kernel maps each query tile and saves it for the
-backward kernels, which apply the maps' VJP in their epilogues (`pope_attention_bwd`). Tables
-of the positions alone are trace-time constants for concrete positions (`_positions`). The
-design and its measurements: docs/kernel.md.
+backward kernels, which apply the maps' VJP (`pope_attention_bwd`). Tables of concrete positions
+are trace-time constants (`_positions`). Design and measurements: docs/kernel.md.
 
-Shape letters: B batch, T query length, S key length, N query heads, K kv heads, H head dim,
-V value head dim.
+Shape letters: B batch, T query and S key length, N query and K kv heads, H head dim, V value dim.
 """
 
 from __future__ import annotations
@@ -107,14 +105,12 @@ def _plan(blocks: BlockSizes, h: int, value_dim: int, dtype) -> _Plan:
 
 
 def _resident_blocks(plan: _Plan) -> tuple[tuple[int, int, bool, int], ...]:
-  """Per kernel (forward, dq, dk/dv): its resident and streamed tile sizes, whether the
-  resident tiles are queries, and its resident tiles per item (one per compute warpgroup, or
-  one shared with `dkv_roles`)."""
-  blocks = plan.blocks
-  return ((blocks.block_q, blocks.block_kv, True, plan.inference.warpgroups),
-          (blocks.block_q_dq, blocks.block_kv_dq, True, st.COMPUTE_WGS),
-          (blocks.block_kv_dkv, blocks.block_q_dkv, False,
-           1 if blocks.dkv_roles else st.COMPUTE_WGS))
+  """Per kernel (forward, dq, dk/dv): resident and streamed tile sizes, whether the resident
+  tiles are queries, resident tiles per item (one per compute warpgroup, one with `dkv_roles`)."""
+  b = plan.blocks
+  return ((b.block_q, b.block_kv, True, plan.inference.warpgroups),
+          (b.block_q_dq, b.block_kv_dq, True, st.COMPUTE_WGS),
+          (b.block_kv_dkv, b.block_q_dkv, False, 1 if b.dkv_roles else st.COMPUTE_WGS))
 
 
 def query_table(angle_pos, freqs):
@@ -141,18 +137,13 @@ def key_map(k, k_trig):
 
 
 def tile_score_bound(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
-  """An upper bound on |score| · `magnitude_scale` per query tile of `tile_rows` rows (the last
-  may hold fewer) over all keys of its kv head, [B, N, ceil(T / tile_rows)] float32.
+  """An upper bound on |score| · `magnitude_scale` (the kernel's: logit scale times log2 e) per
+  query tile of `tile_rows` rows (the last may hold fewer) over all keys of its kv head,
+  [B, N, ceil(T / tile_rows)] float32, from raw q [B, T, N, H] and k [B, S, K, H] (N % K == 0).
 
   |q'_t| = |softplus(q_t)| (PoPE Eq. 7-10), so by Cauchy-Schwarz |a_ts| <= max_t |softplus(q_t)|
   · max_s |softplus(k_s)| for any positions and phase; softplus(x) <= max(x, 0) + log 2 bounds
-  the norms without a transcendental per element.
-
-  Args:
-    q: [B, T, N, H] raw queries; k: [B, S, K, H] raw keys (N % K == 0).
-    magnitude_scale: the scores' factor (the kernel's: logit scale times log2 e).
-    tile_rows: query rows per tile.
-  """
+  the norms without a transcendental per element."""
   bsz, t_len, n_heads, _ = q.shape
 
   def norm_bound(x):  # >= |softplus(x)| over the last axis, float32
@@ -171,9 +162,8 @@ def forward_tile_rows(blocks: BlockSizes, head_dim: int, value_dim: int, dtype) 
 
 
 def bounded_tiles(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
-  """[B, N, ceil(T / tile_rows)] int32, 1 where `tile_score_bound` is within
-  BOUNDED_SCORE_LIMIT: the tiles that take the softmax without a running max
-  (`BlockSizes.bounded_softmax`). Arguments as `tile_score_bound`'s."""
+  """[B, N, ceil(T / tile_rows)] int32, 1 where `tile_score_bound` (same arguments) is within
+  BOUNDED_SCORE_LIMIT: the tiles that skip the running max (`BlockSizes.bounded_softmax`)."""
   bound = tile_score_bound(q, k, magnitude_scale, tile_rows)
   return (bound <= BOUNDED_SCORE_LIMIT).astype(jnp.int32)
 
@@ -301,12 +291,6 @@ def _constant_angle_tables(keys: tuple, **kw):
     return _angle_tables(*arrays, **kw)
 
 
-def _table_bytes(angle_pos, k_angle_pos, freqs, **kw) -> int:
-  """The bytes of `_angle_tables`' results, from their shapes alone."""
-  tables = jax.eval_shape(functools.partial(_angle_tables, **kw), angle_pos, k_angle_pos, freqs)
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tables))
-
-
 @functools.partial(jax.jit, static_argnames=("is_causal", "plan"))
 def _prepare(q, k, v, delta, positions, *, is_causal, plan):
   """Operands: padded q, the query phase -δ, raw k (`_forward` maps and pads it), padded v,
@@ -337,10 +321,7 @@ def _prepare(q, k, v, delta, positions, *, is_causal, plan):
 def _positions(q_positions, k_positions, freqs, *, batch, t_len, s_len, is_causal, plan):
   """`_position_operands` and `_angle_tables`, at trace time unless a position array is traced
   (the angle tables up to MAX_CONSTANT_TABLE_BYTES; the query table where a forward reads it).
-
-  Raises:
-    ValueError: concrete positions of magnitude MAX_POSITION or more.
-  """
+  Raises ValueError for concrete positions of magnitude MAX_POSITION or more."""
   kw = dict(batch=batch, t_len=t_len, s_len=s_len, is_causal=is_causal, plan=plan)
   traced = any(isinstance(p, jax.core.Tracer) for p in (q_positions, k_positions, freqs))
   if not traced:
@@ -353,7 +334,9 @@ def _positions(q_positions, k_positions, freqs, *, batch, t_len, s_len, is_causa
     angle_pos, k_angle_pos, qp, kp, visits = _position_operands(q_positions, k_positions, **kw)
   arrays = (angle_pos, k_angle_pos, freqs)
   table_kw = dict(query_tables=plan.inference.tables or plan.training.tables)
-  if not traced and _table_bytes(*arrays, **table_kw) <= MAX_CONSTANT_TABLE_BYTES:
+  shapes = jax.eval_shape(functools.partial(_angle_tables, **table_kw), *arrays)
+  table_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+  if not traced and table_bytes <= MAX_CONSTANT_TABLE_BYTES:
     keys = tuple((np.shape(x), np.asarray(x, np.float32).tobytes()) for x in arrays)
     q_table, k_trig = _constant_angle_tables(keys, **table_kw)
   else:
@@ -373,9 +356,8 @@ def pope_attention(q, k, v, delta=None, *, frequencies, q_positions, k_positions
     v: [B, S, K, V] values, same dtype.
     delta: None or [N, H] float32 phase bias δ, already clamped to [-2π, 0].
     frequencies: [H] float32 θ_c = base^(-c/H) (`pope_jax.encodings.pope_frequencies`).
-    q_positions, k_positions: [T] / [S] or [B, T] / [B, S] integer positions. Concrete ones
-      (and `frequencies`) give trace-time constant tables (`_positions`); traced ones cost a
-      few small XLA ops per call.
+    q_positions, k_positions: [T] / [S] or [B, T] / [B, S] integer positions; concrete ones (and
+      `frequencies`) give trace-time constant tables (`_positions`), traced ones small XLA ops.
     is_causal: key s visible to query t iff k_pos[s] <= q_pos[t].
     scale: logit scale, default 1/sqrt(H).
     block_sizes: tile sizes; default `default_block_sizes(H)`.

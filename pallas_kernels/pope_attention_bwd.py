@@ -32,14 +32,8 @@ def cartesian_vjp(cart, d_cart, magnitude_scale: float):
   """VJP of the PoPE Cartesian map (Eq. 7-10) from its own output x' = s·μ·[cos φ, sin φ]:
     dx = g(μ)·(dx'_c x'_c + dx'_s x'_s),   dφ = dx'_s x'_c - dx'_c x'_s,
   μ = |x'| / s, g(μ) = (1 - e^-μ) / μ (softplus' over μ), so no angles or raw inputs are needed.
-
-  Args:
-    cart: [R, 2H] x' (any float dtype; its rounding carries into μ and φ).
-    d_cart: [R, 2H] float32 cotangent of x'; magnitude_scale: s > 0.
-
-  Returns:
-    (dx, dφ), each [R, H] float32.
-  """
+  From cart [R, 2H] x' (any float dtype; its rounding carries into μ and φ), d_cart [R, 2H]
+  float32 cotangent of x' and magnitude_scale s > 0: (dx, dφ), each [R, H] float32."""
   rows, width = cart.shape
   h = width // 2
   half = lambda x, i: lax.slice(x, (0, i * h), (rows, (i + 1) * h)).astype(jnp.float32)
@@ -168,13 +162,11 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
 
   Each compute warpgroup owns a key tile of `block_kv_dkv` rows, or, with `blocks.dkv_roles`,
   both share one: warpgroup 0 computes S, P, dP and dS, accumulates dv and hands dS over
-  through SMEM (one buffer per ring slot); warpgroup 1 accumulates db = dSᵀ·a and maps it.
-  At H = 128 that keeps db's float32 accumulator (2H wide) apart from S, dP and dv, which
-  together spill in one warpgroup's registers.
+  through SMEM (one buffer per ring slot); warpgroup 1 accumulates db = dSᵀ·a and maps it (at
+  H = 128, db's 2H-wide float32 accumulator with S, dP and dv spills one warpgroup's registers).
 
-  Args:
-    as `pope_attention_dq`'s, with keys resident in table and schedule (one key tile per item
-    with `blocks.dkv_roles`, else one per compute warpgroup).
+  Args: as `pope_attention_dq`'s, with keys resident in table and schedule (one key tile per
+    item with `blocks.dkv_roles`, else one per compute warpgroup).
 
   Returns:
     dk [B, S, N, H] and dv [B, S, N, V] in a's dtype.
@@ -219,8 +211,7 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
       return batch, head, lax.div(head, jnp.int32(group)), rank
 
     def gradient_step(wg, kpos, slot, mode, p_terms, ds_terms, ds_to=None):
-      """`ops.gradient_step` of warpgroup wg's resident keys (positions `kpos`) and the slot's
-      queries."""
+      """`ops.gradient_step` of wg's resident keys (positions `kpos`) and the slot's queries."""
       def probs(s_t):
         if mode == "masked":
           s_t = st.causal_mask(s_t, kpos, st.row_vector(str_smem["qpos"].at[slot], 1), 0)
@@ -293,8 +284,7 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
             smem["ds"].at[slot][...] = ds
             plgpu.commit_smem()
             plgpu.barrier_arrive(handed[0].at[slot])
-          (dv,), _ = gradient_step(0, kpos, slot, mode, ((dv, do_smem.at[slot]),), (),
-                                   hand_over)
+          (dv,), _ = gradient_step(0, kpos, slot, mode, ((dv, do_smem.at[slot]),), (), hand_over)
           return dv
 
         dv = st.compute_loops(ranges, origin, zeros(vd), step, stages, ready, consumed)

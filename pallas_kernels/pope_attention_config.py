@@ -84,8 +84,7 @@ def default_block_sizes(head_dim: int) -> BlockSizes:
 
   H <= 64: `BlockSizes()`. H = 128: two forward warpgroups without ping-pong, 64-row key steps,
   the backward in FA3's order with the dk/dv warpgroups in roles, row sums on the tensor cores
-  and rescaling at 8. `bounded_softmax` stays off everywhere: it needs bounded tiles to pay off.
-  """
+  and rescaling at 8. `bounded_softmax` stays off everywhere: it needs bounded tiles to pay off."""
   if head_dim <= 64:
     return BlockSizes()
   return BlockSizes(block_kv=64, block_kv_dq=64, block_q_dkv=64, forward_warpgroups=2,

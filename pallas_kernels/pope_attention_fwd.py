@@ -30,8 +30,7 @@ from pallas_kernels.pope_attention_config import BlockSizes
 # Tiles whose scores (log2 units) lie within ± this take exp2 of the scores (`bounded_softmax`):
 # P, its row sums and P V stay in float32's and bf16's range for S < 2**24 and |v| < 2**38.
 BOUNDED_SCORE_LIMIT = 64.0
-# Width of the ones tile and of the row-sum accumulator of `BlockSizes.row_sum_mma`: the
-# narrowest wgmma B operand (a 32-byte swizzle of 16-bit elements).
+# Width of `row_sum_mma`'s ones tile and row-sum accumulator: the narrowest wgmma B (32 bytes).
 ROW_SUM_COLS = 16
 # 2π in two parts (Cody-Waite): turns · _TWO_PI_HI is exact for |turns| < 2**16.
 _TWO_PI_HI = 6.28125
@@ -54,8 +53,7 @@ def cartesian_halves(x, pos, freq, phase, magnitude_scale: float, dtype):
   return (mag * jnp.cos(ang)).astype(dtype), (mag * jnp.sin(ang)).astype(dtype)
 
 
-def cartesian_halves_from_tables(x, cos_t, sin_t, cos_p, sin_p, magnitude_scale: float,
-                                 dtype):
+def cartesian_halves_from_tables(x, cos_t, sin_t, cos_p, sin_p, magnitude_scale: float, dtype):
   """`cartesian_halves` from cos_t, sin_t [R, H] of pos·θ and cos_p, sin_p [H] float32 of the
   phase, by angle addition (`ForwardPlan.tables`): two transcendentals, not four."""
   rows, h = x.shape
@@ -88,9 +86,9 @@ class ForwardPlan:
 
 def plan_forward(blocks: BlockSizes, h: int, vd: int, dtype, save_a: bool) -> ForwardPlan:
   """The forward's schedule for head dim h, value width vd (a multiple of 64), q's dtype and
-  whether a is saved: three warpgroups where `forward_warpgroups` is None and they fit (with a
-  saved, no tables: one answer for both forwards), then max(3, stages) where that fits, then
-  the query tables where they fit beside."""
+  whether a is saved: three warpgroups where `forward_warpgroups` is None and they fit (tested
+  with a saved, no tables: one answer for both forwards), then max(3, stages), then the query
+  tables, each where it fits."""
   def fits(**change):
     return st.smem_bytes(_scratch(dataclasses.replace(plan, **change))) <= st.smem_limit()
 
@@ -153,8 +151,8 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
       query angles' positions [B or 1, T] float32.
     b: [B, S, K, D] Cartesian keys, same dtype, D = 2H; v: [B, S, K, V] values, same dtype.
     q_pos: [B, T], k_pos: [B, S] float32 positions (padding: st.QUERY_PAD, st.KEY_PAD).
-    table: [B, ceil(T / (W block_q)), 2 + 4 W] int32 from `st.visit_table`.
-    schedule: the CTAs' items, int32 from `st.launch_schedule` (queries resident).
+    table, schedule: [B, ceil(T / (W block_q)), 2 + 4 W] `st.visit_table`, the CTAs' items
+      (`st.launch_schedule`, queries resident), int32.
     bounded: with `plan.bounded`, [B, N, ceil(T / (W block_q))] int32, 1 where every score of
       the tile is within ±BOUNDED_SCORE_LIMIT (`pope_attention.bounded_tiles`); else None.
     plan: `plan_forward`'s; magnitude_scale: the logit scale times log2 e.
@@ -369,8 +367,7 @@ class _ForwardKernel:
     acc = plgpu.layout_cast(jnp.zeros((bq, self.plan.vd), jnp.float32), wgmma)
     m_i = plgpu.layout_cast(jnp.full((bq,), 0.0 if bounded else st.M_INIT, jnp.float32),
                             wgmma.reduce(1))
-    l_i = (plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), wgmma.reduce(1))
-           if r.ones_smem is None
+    l_i = (plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), wgmma.reduce(1)) if r.ones_smem is None
            else plgpu.layout_cast(jnp.zeros((bq, ROW_SUM_COLS), jnp.float32), wgmma))
     acc, m_i, l_i = st.compute_loops(
         ranges, origin, (acc, m_i, l_i), step, self.plan.stages, r.ready, r.consumed,
@@ -382,11 +379,10 @@ class _ForwardKernel:
   def _softmax(self, s_blk, m_i, l_i, qpos, slot, mode, bounded):
     """Online softmax of one score tile: (m, l, P, alpha), alpha the per-row factor of the old
     acc (`_rescale`; 1 where the max stays, None: no rescale); P in q's dtype. Under
-    `rescale_threshold` a row's max moves only when its block max exceeds it by more than
-    that, so P <= 2**rescale_threshold. With `bounded` (every score within
-    ±BOUNDED_SCORE_LIMIT) m stays 0: P = exp2(scores), no max and no rescale. Under
-    `row_sum_mma` the returned l lacks this step's P, which the PV step adds, and its rescale,
-    which `_rescale` applies."""
+    `rescale_threshold` a row's max moves only when its block max exceeds it by more than that,
+    so P <= 2**rescale_threshold. With `bounded` (every score within ±BOUNDED_SCORE_LIMIT) m
+    stays 0: P = exp2(scores), no max, no rescale. Under `row_sum_mma` l lacks this step's P (the
+    PV step adds it) and its rescale (`_rescale` applies it)."""
     row_sums_here = self.refs.ones_smem is None
     with jax.named_scope("softmax"):
       if mode == "masked":
@@ -408,9 +404,8 @@ class _ForwardKernel:
       return m_new, l_i, p.astype(self.plan.dtype), alpha
 
   def _rescale(self, acc, l_i, alpha):
-    """acc, and under `row_sum_mma` l, times `_softmax`'s per-row alpha; under
-    `rescale_threshold` only in the warps where some row's max moved (alpha < 1; in the
-    others every alpha is 1)."""
+    """acc, and under `row_sum_mma` l, times `_softmax`'s per-row alpha; under `rescale_threshold`
+    only in the warps where some row's max moved (alpha < 1; in the others every alpha is 1)."""
     row_sum_mma = self.refs.ones_smem is not None
     scaled = (acc, l_i) if row_sum_mma else (acc,)
     times_alpha = lambda: tuple(x * st.broadcast(alpha, x.shape, 0) for x in scaled)
@@ -424,8 +419,7 @@ class _ForwardKernel:
     """out = acc / l and lse = m + log2(l) (zero rows and 1e30 where no key is visible)."""
     r, bq, vd = self.refs, self.bq, self.plan.vd
     with jax.named_scope("store"):
-      # The copies of a (this item's) or of the output (the previous item's) must have
-      # read the tiles first.
+      # Waits until the copies of a (this item's) or of the output (the previous one's) read them.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       empty = l_i == 0.0
       l_safe = jnp.where(empty, 1.0, l_i)
