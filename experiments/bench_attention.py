@@ -231,12 +231,10 @@ def bench_head_dim(shape_name: str, iters: int, with_tokamax: bool, dtype=jnp.bf
            "fused PoPE (ours)": _pope_pallas,
            "fused, bounded_softmax": functools.partial(_pope_pallas, blocks=bounded),
            "RoPE cuDNN (scale)": _rope_cudnn}
-  rows = []
-  for name in ROWS:
-    if name in rows_wanted and name in paths:
-      rows.append(_measure(name, paths[name], args, flops, iters))
-    elif name in rows_wanted and name == TOKAMAX_AUTOTUNED and with_tokamax and tokamax_autotune:
-      rows.append(_measure_autotuned(args, flops, iters))
+  measures = {name: functools.partial(_measure, name, fn) for name, fn in paths.items()}
+  if with_tokamax and tokamax_autotune:
+    measures[TOKAMAX_AUTOTUNED] = _measure_autotuned
+  rows = [measures[n](args, flops, iters) for n in ROWS if n in rows_wanted and n in measures]
   baselines = [r for r in rows if r["name"] in (*BASELINES, TOKAMAX_AUTOTUNED)
                and "error" not in r]
   best = {key: min((r[key] for r in baselines), default=float("nan"))
