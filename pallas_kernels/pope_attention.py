@@ -334,10 +334,9 @@ def _positions(q_positions, k_positions, freqs, *, batch, t_len, s_len, is_causa
     angle_pos, k_angle_pos, qp, kp, visits = _position_operands(q_positions, k_positions, **kw)
   arrays = (angle_pos, k_angle_pos, freqs)
   table_kw = dict(query_tables=plan.inference.tables or plan.training.tables)
-  shapes = None if traced else jax.eval_shape(functools.partial(_angle_tables, **table_kw),
-                                              *arrays)
-  if shapes and sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)) <= (
-      MAX_CONSTANT_TABLE_BYTES):
+  tables = () if traced else jax.tree.leaves(jax.eval_shape(
+      functools.partial(_angle_tables, **table_kw), *arrays))
+  if tables and sum(x.size * x.dtype.itemsize for x in tables) <= MAX_CONSTANT_TABLE_BYTES:
     keys = tuple((np.shape(x), np.asarray(x, np.float32).tobytes()) for x in arrays)
     q_table, k_trig = _constant_angle_tables(keys, **table_kw)
   else:

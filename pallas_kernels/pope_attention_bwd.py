@@ -292,7 +292,8 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
 
       @pl.when(wg == 1)
       def _dk():
-        # Its own keys for the VJP (warpgroup 0 may load the next item's); barrier 1 is free.
+        # Its own keys for the VJP (warpgroup 0 may load the next item's); warpgroup 0 loads with
+        # barriers 0, 2, 4.
         plgpu.copy_gmem_to_smem(b_ref.at[batch, cols, kv_head], smem["b"].at[1], res_bar.at[1])
 
         def step(slot, db, mode):
