@@ -214,7 +214,7 @@ def _ratio(ms: float, ref_ms: float | None) -> str:
 
 
 ROWS = ("xla reference", *BASELINES, TOKAMAX_AUTOTUNED, "fused PoPE (ours)",
-        "fused, bounded_softmax", "RoPE cuDNN (scale)")
+        "fused PoPE (bounded_softmax)", "RoPE cuDNN (scale)")
 
 
 def bench_head_dim(shape_name: str, iters: int, with_tokamax: bool, dtype=jnp.bfloat16,
@@ -229,7 +229,7 @@ def bench_head_dim(shape_name: str, iters: int, with_tokamax: bool, dtype=jnp.bf
   paths = {"xla reference": _pope_xla,
            **{name: fn for name, (fn, tk) in BASELINES.items() if with_tokamax or not tk},
            "fused PoPE (ours)": _pope_pallas,
-           "fused, bounded_softmax": functools.partial(_pope_pallas, blocks=bounded),
+           "fused PoPE (bounded_softmax)": functools.partial(_pope_pallas, blocks=bounded),
            "RoPE cuDNN (scale)": _rope_cudnn}
   measures = {name: functools.partial(_measure, name, fn) for name, fn in paths.items()}
   if with_tokamax and tokamax_autotune:
@@ -380,7 +380,7 @@ def profile_attention(shape_name: str, with_tokamax: bool) -> dict:
   bounded = dataclasses.replace(default_block_sizes(SHAPES[shape_name].head_dim),
                                 bounded_softmax=True)
   paths = {"fused PoPE (ours)": _pope_pallas,
-           "fused, bounded_softmax": functools.partial(_pope_pallas, blocks=bounded)}
+           "fused PoPE (bounded_softmax)": functools.partial(_pope_pallas, blocks=bounded)}
   paths.update((name, fn) for name, (fn, tk) in BASELINES.items()
                if not name.startswith("concat") and (with_tokamax or not tk))
   out = {}

@@ -219,12 +219,12 @@ def _flash_bwd(plan, magnitude_scale, cartesian_map, key_len, res, d_out):
   delta = jnp.einsum("btnv,btnv->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
   d_out = d_out.astype(a.dtype)
   args = (a, b, v, d_out, lse, delta, o.q_pos, o.k_pos)
-  h = a.shape[-1] // 2
   # The dq kernel maps da to dq and each angle's gradient (summed into the phase's), or returns da.
   dq_out = pope_attention_dq(*args, *o.tables[1], blocks=plan.blocks,
                              magnitude_scale=None if query else magnitude_scale)
   if not query:
-    dq, dphase = dq_out[..., :h], dq_out[..., h:].astype(jnp.float32).sum((0, 1))
+    dq, d_angle = dq_out
+    dphase = d_angle.astype(jnp.float32).sum((0, 1))
   else:  # da through the reference map's VJP (float32), as the kernel's `cartesian_halves`.
     if cartesian_map is None:
       raise ValueError("float16 gradients of pallas PoPE attention need `cartesian_map` (the "

@@ -83,21 +83,24 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
     blocks: tile sizes; magnitude_scale: s, or None to return da (fp16: the caller maps it).
 
   Returns:
-    [B, T, N, D] in a's dtype: [dq | dφ] (each element's angle gradient; the phase's is its
-    sum over B and T) with `magnitude_scale`, else da.
+    With `magnitude_scale`, dq and dφ (each element's angle gradient; the phase's is its sum
+    over B and T), [B, T, N, H] each; else da [B, T, N, D]; in a's dtype.
 
   Raises:
     ValueError: the buffers exceed SMEM.
   """
-  _, t_len, n_heads, d = a.shape
-  vd, group = v.shape[-1], n_heads // b.shape[2]
+  bsz, t_len, n_heads, d = a.shape
+  vd, group, h = v.shape[-1], n_heads // b.shape[2], d // 2
   bq, bk, stages = blocks.block_q_dq, blocks.block_kv_dq, blocks.stages
   dtype, wgs = a.dtype, st.COMPUTE_WGS
   n_tiles = t_len // (wgs * bq)
+  mapped = magnitude_scale is not None
 
   def pope_dq_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
-                     tab_ref, sched_ref, dq_ref, a_smem, do_smem, lse_smem, delta_smem,
+                     tab_ref, sched_ref, out_refs, a_smem, do_smem, lse_smem, delta_smem,
                      qpos_smem, b_smem, v_smem, kpos_smem, res_bar, ready, consumed):
+    # Mapped, a's tile stages dq and dφ once the VJP has read it (`stage`, wg's rows alike).
+    a_smem, stage = a_smem if mapped else (a_smem, None)
     tile_of = lambda item: st.item_coords(item, n_heads, n_tiles, last_tile_first=True)
 
     def item_body(item, base, wg):
@@ -127,15 +130,19 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
 
       dq_acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
       dq_acc = st.compute_loops(ranges, origin, dq_acc, step, stages, ready, consumed)
-      if magnitude_scale is None:
+      if not mapped:
         a_smem.at[wg][...] = (dq_acc * _LN2).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(a_smem.at[wg], out_refs["da"].at[batch, rows, head])
       else:
-        dq, d_angle = cartesian_vjp(plgpu.load(a_smem.at[wg], layout=plgpu.Layout.WGMMA),
-                                    dq_acc * _LN2, magnitude_scale)
-        a_smem.at[wg][...] = plgpu.layout_cast(jnp.concatenate(
-            [dq.astype(dtype), d_angle.astype(dtype)], axis=1), plgpu.Layout.WGMMA)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(a_smem.at[wg], dq_ref.at[batch, rows, head])
+        grads = cartesian_vjp(plgpu.load(a_smem.at[wg], layout=plgpu.Layout.WGMMA),
+                              dq_acc * _LN2, magnitude_scale)
+        plgpu.commit_smem()  # (the warpgroup has read a)
+        for i, grad in enumerate(grads):
+          stage.at[wg, i][...] = grad.astype(dtype)
+        plgpu.commit_smem()
+        for i, name in enumerate(("dq", "d_angle")):
+          plgpu.copy_smem_to_gmem(stage.at[wg, i], out_refs[name].at[batch, rows, head])
       return base + ranges[1] - ranges[0]
 
     _fork(sched_ref, item_body, lambda for_items: st.stream_keys(
@@ -143,15 +150,21 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
         group, bk, stages, consumed, ready))
 
   resident = _tiles(wgs, bq, ("a", "do", "lse", "delta", "qpos"), d, vd, dtype)
+  if mapped:  # [wg, 0] dq, [wg, 1] dφ: the same bytes as a's tile [wg]
+    resident["a"] = plgpu.RefUnion(resident["a"], plgpu.SMEM(
+        (wgs, 2, bq, h), dtype, transforms=st.tile_transforms(h)))
   streamed = _tiles(stages, bk, ("b", "v", "kpos"), d, vd, dtype)
   scratch = [*resident.values(), *streamed.values(), plgpu.Barrier(num_barriers=5 * wgs),
              plgpu.Barrier(num_arrivals=3, num_barriers=stages),
              plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)]
   st.check_smem(scratch, "dq", f"lower BlockSizes.stages ({stages}), block_q_dq ({bq}) or "
                 f"block_kv_dq ({bk})")
-  return st.launch(pope_dq_kernel, jax.ShapeDtypeStruct(a.shape, dtype), scratch,
-                   ctas=schedule.shape[0], compute_wgs=wgs)(a, b, v, do, lse, delta, q_pos,
-                                                           k_pos, table, schedule)
+  grad = jax.ShapeDtypeStruct((bsz, t_len, n_heads, h), dtype)
+  out_type = {"dq": grad, "d_angle": grad} if mapped else {"da": jax.ShapeDtypeStruct(
+      a.shape, dtype)}
+  out = st.launch(pope_dq_kernel, out_type, scratch, ctas=schedule.shape[0], compute_wgs=wgs)(
+      a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
+  return (out["dq"], out["d_angle"]) if mapped else out["da"]
 
 
 @functools.partial(jax.jit, static_argnames=('blocks',))

@@ -71,6 +71,16 @@ def test_unknown_row_is_a_usage_error(monkeypatch, capsys):
   assert "'fused PoPE (ours),flash'" in capsys.readouterr().err
 
 
+def test_default_rows_parse(monkeypatch, capsys):
+  # Without --rows every row is wanted: the run gets past the flag checks (to the platform's).
+  monkeypatch.setattr(sys, "argv", ["bench_attention", "--skip-bench"])
+  monkeypatch.setattr(bench_attention.kernel, "platform_reason", lambda: "no GPU here")
+  with pytest.raises(SystemExit) as exit_info:
+    bench_attention.main()
+  assert exit_info.value.code == 2
+  assert "no GPU here" in capsys.readouterr().err
+
+
 def test_rows_select_the_main_table(monkeypatch):
   # Only the named rows are timed, in the table's order.
   timed = []
