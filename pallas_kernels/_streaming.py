@@ -273,8 +273,7 @@ def interpreted() -> bool:
   return jax.default_backend() != "gpu"
 
 
-# Set, the Mosaic GPU profiler records the named scopes of every kernel compiled afterwards into
-# a Perfetto trace per call in this directory (`experiments.trace_attention` summarises it).
+# Set, kernels compiled afterwards write a Perfetto trace per call here (`trace_attention`).
 PROFILE_DIR_ENV = "POPE_KERNEL_PROFILE_DIR"
 PROFILE_SPACE = 512  # scopes recorded per warpgroup and call; later ones are dropped
 

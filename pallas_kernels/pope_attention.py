@@ -129,9 +129,8 @@ def key_table(k_positions, freqs):
 
 
 def key_map(k, k_trig):
-  """The Cartesian keys b = [μk cos sθ, μk sin sθ] (PoPE Eq. 7-10; the phase sits on the
-  queries), μk = `_streaming.softplus`(k), [B, S, K, 2H] in k's dtype, from k [B, S, K, H]
-  and its `key_table`. Forward only: the dk/dv kernel applies the map's VJP."""
+  """Cartesian keys b = [μk cos sθ, μk sin sθ] [B, S, K, 2H] in k's dtype (Eq. 7-10; δ is on
+  the queries), μk = `_streaming.softplus`(k), from k [B, S, K, H] and its `key_table`."""
   mag = st.softplus(jnp.concatenate([k, k], axis=-1))
   return (mag * k_trig).astype(k.dtype)
 
@@ -141,9 +140,8 @@ def tile_score_bound(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
   query tile of `tile_rows` rows (the last may hold fewer) over all keys of its kv head,
   [B, N, ceil(T / tile_rows)] float32, from raw q [B, T, N, H] and k [B, S, K, H] (N % K == 0).
 
-  |q'_t| = |softplus(q_t)| (PoPE Eq. 7-10), so by Cauchy-Schwarz |a_ts| <= max_t |softplus(q_t)|
-  · max_s |softplus(k_s)| for any positions and phase; softplus(x) <= max(x, 0) + log 2 bounds
-  the norms without a transcendental per element."""
+  |q'_t| = |softplus(q_t)| (Eq. 7-10): by Cauchy-Schwarz |a_ts| <= max |softplus(q_t)| · max
+  |softplus(k_s)| for any positions and phase; softplus(x) <= max(x, 0) + log 2 bounds them."""
   bsz, t_len, n_heads, _ = q.shape
 
   def norm_bound(x):  # >= |softplus(x)| over the last axis, float32
@@ -250,10 +248,9 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 @functools.partial(jax.jit, static_argnames=("batch", "t_len", "s_len", "is_causal", "plan"))
 def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_len: int,
                        is_causal: bool, plan: _Plan):
-  """What the kernels take from the positions alone but the angle tables: float32 query angle
-  positions [1 or B, T_pad], key positions [S] / [B, S] unpadded (for `key_table`), masking
-  positions with padding sentinels [B, T_pad], [B, S_pad], and per kernel the visit table
-  (`st.visit_table`, exact for any positions). Evaluated at trace time for concrete positions."""
+  """The kernels' position operands but the angle tables: float32 query angle positions
+  [1 or B, T_pad], key positions [S] / [B, S] unpadded (for `key_table`), masking positions with
+  padding sentinels [B, T_pad], [B, S_pad], and per kernel its `st.visit_table`."""
   q_pos = jnp.broadcast_to(jnp.asarray(q_positions), (batch, t_len)).astype(jnp.float32)
   k_pos = jnp.broadcast_to(jnp.asarray(k_positions), (batch, s_len))
   mult = plan.blocks.seq_multiple
@@ -269,8 +266,7 @@ def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_le
   return angle_pos, k_angle_pos, qp, kp, visits
 
 
-# Angle tables of concrete positions up to this many bytes become trace-time constants (3 MiB at
-# T = S = 4096, H = 64; one copy per distinct positions); larger ones are computed per call.
+# Angle tables of concrete positions up to this size are trace-time constants (3 MiB at H64, 4k).
 MAX_CONSTANT_TABLE_BYTES = 4 << 20
 # Positions travel to the kernels as float32, exact below this magnitude.
 MAX_POSITION = 2**24

@@ -178,8 +178,7 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
   through SMEM (one buffer per ring slot); warpgroup 1 accumulates db = dSᵀ·a and maps it (at
   H = 128, db's 2H-wide float32 accumulator with S, dP and dv spills one warpgroup's registers).
 
-  Args: as `pope_attention_dq`'s, with keys resident in table and schedule (one key tile per
-    item with `blocks.dkv_roles`, else one per compute warpgroup).
+  Args: as `pope_attention_dq`'s, with keys resident in table and schedule.
 
   Returns:
     dk [B, S, N, H] and dv [B, S, N, V] in a's dtype.
@@ -208,8 +207,7 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
             plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
             *[plgpu.Barrier(num_barriers=stages)] * roles)
 
-  # dk is staged in v's tile, before dv's store, where V = H and there is no room for its own
-  # (with roles, always: warpgroup 1 does not load v).
+  # dk is staged in v's tile before dv's store where V = H and SMEM is short (roles: always).
   dk_in_v = vd == h and (roles or st.smem_bytes(scratch_types(False)) > st.smem_limit())
   scratch = scratch_types(dk_in_v)
 
@@ -305,8 +303,7 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
 
       @pl.when(wg == 1)
       def _dk():
-        # Its own keys for the VJP (warpgroup 0 may load the next item's); warpgroup 0 loads with
-        # barriers 0, 2, 4.
+        # Its own keys for the VJP (warpgroup 0, barriers 0, 2, 4, may load the next item's).
         plgpu.copy_gmem_to_smem(b_ref.at[batch, cols, kv_head], smem["b"].at[1], res_bar.at[1])
 
         def step(slot, db, mode):

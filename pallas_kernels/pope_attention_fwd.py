@@ -195,8 +195,7 @@ class _ForwardKernel:
                                      n_tiles=-(-self.t_len // (self.wgs * self.bq)))
     self.rot_per_head = tuple(r.ndim != 1 for r in rot)  # θ [H] is shared by the heads
     self.trig_batched = trig.shape[-3 if plan.tables else -2] > 1
-    # The interpreter runs each warpgroup as its own XLA:CPU execution, and the handshake
-    # hangs where they do not all start at once (few cores); the GPU check covers ping-pong.
+    # In the interpreter (warpgroups as separate XLA:CPU runs) the handshake can hang.
     self.ping_pong = plan.ping_pong and not st.interpreted()
     # Registers per thread (compute, memory warpgroup): an SM's 64 K split as FlashAttention-3 does.
     self.registers, self.memory_registers = (232, 40) if self.wgs == 2 else (160, 32)
@@ -295,8 +294,7 @@ class _ForwardKernel:
     if r.a_smem is not None:  # (after the previous item's store of a has read it)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       r.a_smem.at[wg][...] = a
-    # Makes a visible to TMA and wgmma, and orders every thread's reads of the query buffers
-    # before the next item's copies into them.
+    # Publishes a to TMA and wgmma, and orders the query-buffer reads before the next copies.
     plgpu.commit_smem()
     pl.when(j + 1 < self.count)(lambda: self._load_queries(self.item_of(j + 1), wg))
     if r.a_smem is not None:

@@ -57,20 +57,17 @@ SHAPES: dict[str, AttentionShape] = {
     # Value width other than the head dim: the forward stages queries in their own SMEM tile.
     "check_h128_v64": _shape(1, 400, 400, 2, 2, 128, 64),
     "check_h32_v96_gqa": _shape(1, 130, 260, 4, 1, 32, 96, is_causal=False),
-    # More resident tiles than the H200's 132 SMs: each persistent CTA runs two or three (the
-    # next tile's query prefetch and the ring of slots across tiles).
+    # More resident tiles than the H200's 132 SMs: each persistent CTA runs two or three.
     "check_h64_persistent": _shape(2, 3000, 3000, 8, 2, 64, 64),
     "check_h32_persistent": _shape(1, 2100, 2500, 16, 4, 32, 32),
     # KV-cache decoding: one query after 700 keys; the second warpgroup's rows are all padding.
     "check_h64_decode": _shape(2, 1, 700, 8, 2, 64, 64),
-    # Large magnitudes (softplus up to ~25, scores up to ~200 log2 units): the bf16 rounding of
-    # the Cartesian q' and k' (2**-9 relative) moves the scores by up to ~0.5, a few % of the
-    # output; every expanded bf16 path (cuDNN, tokamax) rounds them the same way.
+    # Large magnitudes (softplus up to ~25): bf16 q', k' move the scores by up to ~0.5 log2
+    # units, a few % of the output, as in every expanded bf16 path (cuDNN, tokamax).
     "check_h64_large": _shape(1, 512, 512, 2, 1, 64, 64, input_scale=8.0),
 }
-# `bench_attention --check` tolerances (max |error| / max |reference|, output and gradients)
-# of shapes whose bf16 operands alone exceed the default. check_h64_large: 0.12 (output), <= 0.07
-# (gradients) in the CPU interpreter, like float32 attention on bf16 q', k' (tests/pallas_kernels).
+# `bench_attention --check` tolerances (max |error| / max |reference|) where bf16 operands alone
+# exceed the default: check_h64_large 0.12 (output), <= 0.07 (gradients) in the interpreter.
 CHECK_TOLERANCES: dict[str, float] = {"check_h64_large": 0.2}
 
 
