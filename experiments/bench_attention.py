@@ -213,6 +213,13 @@ def _ratio(ms: float, ref_ms: float | None) -> str:
   return f"{'-':>6s}" if ref_ms is None else f"{ms / ref_ms:6.2f}"
 
 
+def _fused_paths(head_dim: int) -> dict:
+  """Our kernel with its default blocks and with `bounded_softmax`, by table row name."""
+  bounded = dataclasses.replace(default_block_sizes(head_dim), bounded_softmax=True)
+  return {"fused PoPE (ours)": _pope_pallas,
+          "fused PoPE (bounded_softmax)": functools.partial(_pope_pallas, blocks=bounded)}
+
+
 ROWS = ("xla reference", *BASELINES, TOKAMAX_AUTOTUNED, "fused PoPE (ours)",
         "fused PoPE (bounded_softmax)", "RoPE cuDNN (scale)")
 
@@ -225,12 +232,9 @@ def bench_head_dim(shape_name: str, iters: int, with_tokamax: bool, dtype=jnp.bf
   shape = SHAPES[shape_name]
   args = random_inputs(shape, jnp.dtype(dtype))
   flops = shape.forward_flops()
-  bounded = dataclasses.replace(default_block_sizes(shape.head_dim), bounded_softmax=True)
   paths = {"xla reference": _pope_xla,
            **{name: fn for name, (fn, tk) in BASELINES.items() if with_tokamax or not tk},
-           "fused PoPE (ours)": _pope_pallas,
-           "fused PoPE (bounded_softmax)": functools.partial(_pope_pallas, blocks=bounded),
-           "RoPE cuDNN (scale)": _rope_cudnn}
+           **_fused_paths(shape.head_dim), "RoPE cuDNN (scale)": _rope_cudnn}
   measures = {name: functools.partial(_measure, name, fn) for name, fn in paths.items()}
   if with_tokamax and tokamax_autotune:
     measures[TOKAMAX_AUTOTUNED] = _measure_autotuned
@@ -377,10 +381,7 @@ def variants(iters: int) -> list[dict]:
 def profile_attention(shape_name: str, with_tokamax: bool) -> dict:
   """Device time per op of PoPE forward+backward: our kernel and the expansion baselines."""
   args = random_inputs(SHAPES[shape_name])
-  bounded = dataclasses.replace(default_block_sizes(SHAPES[shape_name].head_dim),
-                                bounded_softmax=True)
-  paths = {"fused PoPE (ours)": _pope_pallas,
-           "fused PoPE (bounded_softmax)": functools.partial(_pope_pallas, blocks=bounded)}
+  paths = _fused_paths(SHAPES[shape_name].head_dim)
   paths.update((name, fn) for name, (fn, tk) in BASELINES.items()
                if not name.startswith("concat") and (with_tokamax or not tk))
   out = {}

@@ -266,7 +266,7 @@ def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_le
   return angle_pos, k_angle_pos, qp, kp, visits
 
 
-# Angle tables of concrete positions up to this size are trace-time constants (3 MiB at H64, 4k).
+# Concrete positions' angle tables up to this size (3 MiB at T = S = 4096, H = 64) are constants.
 MAX_CONSTANT_TABLE_BYTES = 4 << 20
 # Positions travel to the kernels as float32, exact below this magnitude.
 MAX_POSITION = 2**24
