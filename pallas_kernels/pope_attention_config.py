@@ -16,8 +16,8 @@ MAX_RESCALE_THRESHOLD = 15.0
 class BlockSizes:
   """Tile sizes and schedule switches; the defaults are the tuned values at H <= 64.
 
-  Each kernel runs two compute warpgroups per CTA (the forward two or three), each owning one
-  resident tile of `block_*` rows, and a memory warpgroup streaming the other operand.
+  Per CTA, two compute warpgroups (the forward two or three) each own a resident tile of
+  `block_*` rows (`dkv_roles`: share one); a memory warpgroup streams the other operand.
 
   Attributes:
     block_q: forward query rows per compute warpgroup (resident).

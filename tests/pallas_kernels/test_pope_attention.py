@@ -635,8 +635,9 @@ def test_backward_smem_error_names_fields():
 
 def test_block_size_defaults_and_types():
   # Three forward warpgroups without ping-pong where they fit (H <= 64, where they measured
-  # faster), else two with ping-pong; two with the plain schedule at H = 128; dk and dv in two
-  # launches at H = 128, where one launch spills registers. `BlockSizes()` is H <= 64's.
+  # faster), else two with ping-pong; two with the plain schedule at H = 128; the dk/dv
+  # warpgroups in roles at H = 128, where one warpgroup's accumulators spill. `BlockSizes()` is
+  # H <= 64's.
   assert default_block_sizes(32) == default_block_sizes(64) == BlockSizes()
   assert [default_block_sizes(h).forward_warpgroups for h in (32, 64, 128)] == [None, None, 2]
   assert default_block_sizes(64).ping_pong and not default_block_sizes(128).ping_pong
