@@ -1,8 +1,8 @@
 """Shared pieces of the warp-specialised PoPE attention kernels (Mosaic GPU, Hopper).
 
-Each kernel's CTA (at most one per SM) runs groups of resident tiles (items), one tile per
-compute warpgroup, as a static schedule assigns them (`launch_schedule`); a memory warpgroup
-streams the other operand's tiles through one ring of `stages` SMEM slots with TMA. Which
+Each kernel's CTA (at most one per SM) runs items, a resident tile per compute warpgroup (with
+`dkv_roles` one for both), as a static schedule assigns them (`launch_schedule`); a memory
+warpgroup streams the other operand's tiles through a ring of `stages` SMEM slots with TMA. Which
 streamed steps a resident tile visits is precomputed in XLA from the positions
 (`visit_table`), so causal block skipping is exact for any positions:
 
