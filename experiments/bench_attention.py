@@ -16,7 +16,7 @@ call, the median of `TIMING_WINDOWS` windows of at least --iters calls and `MIN_
 (`_time_ms`).
 
   python -m experiments.bench_attention --out results.json [--dtypes bfloat16,float16]
-      [--tokamax-autotune] [--variants] [--profile]
+      [--tokamax-autotune] [--variants] [--profile] [--power]
       [--check [--check-dtypes bfloat16,float16] [--check-shapes A,B]]
       [--train-step [--train-batch N] [--logits-dtype compute] [--train-breakdown]]
 
@@ -25,8 +25,13 @@ call, the median of `TIMING_WINDOWS` windows of at least --iters calls and `MIN_
 shapes (the check_* shapes of `pallas_kernels.shapes`, or those of --check-shapes), in each
 dtype of --check-dtypes (default bfloat16), and exits 1 (after writing the JSON) if any is off
 by more than --check-tol.
---profile adds device time per op (`experiments._profiling`) of the PoPE fwd+bwd paths at head
-dims 64 and 128 and, with --train-step, of both train steps.
+--power runs our kernel and RoPE on cuDNN back to back for a few seconds each from an idle GPU
+(`experiments._gpu_power`, --shapes) and gives the time per call of the first window (burst) and
+of the sustained windows, the SM clock and the board power from nvidia-smi: under sustained load
+the GPU lowers its clock at its power limit.
+--profile adds device time per op (`experiments._profiling`) of the forward and forward+backward
+of the PoPE paths and of RoPE on cuDNN at head dims 64 and 128 and, with --train-step, of both
+train steps.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ import numpy as np
 from pallas_kernels import pope_attention as kernel
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
 from pallas_kernels.shapes import CHECK_TOLERANCES, SHAPES, random_inputs
-from experiments import _profiling, common
+from experiments import _gpu_power, _profiling, common
 from pope_jax import attention, encodings, positions
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense matmul peak on the H200 (issue text)
@@ -379,11 +384,13 @@ def variants(iters: int) -> list[dict]:
 
 
 def profile_attention(shape_name: str, with_tokamax: bool) -> dict:
-  """Device time per op of PoPE forward+backward: our kernel and the expansion baselines."""
+  """Device time per op of forward and forward+backward: our kernel, the expansion baselines and
+  RoPE on cuDNN (plain attention at the same head dim)."""
   args = random_inputs(SHAPES[shape_name])
   paths = _fused_paths(SHAPES[shape_name].head_dim)
   paths.update((name, fn) for name, (fn, tk) in BASELINES.items()
                if not name.startswith("concat") and (with_tokamax or not tk))
+  paths["RoPE cuDNN (scale)"] = _rope_cudnn
   out = {}
   for name, fn in paths.items():
     for mode, jitted in (("fwd", jax.jit(fn)), ("fwd+bwd", _fwd_bwd(fn))):
@@ -394,6 +401,28 @@ def profile_attention(shape_name: str, with_tokamax: bool) -> dict:
       except Exception as e:  # Reported, never hidden.
         out[title] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         traceback.print_exc()
+  return out
+
+
+def power_attention(shape_name: str, seconds: float = 4.0) -> dict:
+  """Our kernel and RoPE on cuDNN, forward and forward+backward, each run back to back from an
+  idle GPU (`_gpu_power.sustained_run`): burst and sustained ms per call, SM clock and board
+  power. Ratios ours / RoPE, burst and sustained, per mode."""
+  args = random_inputs(SHAPES[shape_name])
+  out = {}
+  for mode, wrap in (("fwd", jax.jit), ("fwd+bwd", _fwd_bwd)):
+    for name, fn in (("fused PoPE (ours)", _pope_pallas), ("RoPE cuDNN (scale)", _rope_cudnn)):
+      r = _gpu_power.sustained_run(wrap(fn), *args, seconds=seconds)
+      out[f"{name} {mode}"] = r
+      print(f"{shape_name} {name:20s} {mode:8s} burst {r['burst_ms']:.3f} ms, sustained "
+            f"{r['sustained_ms']:.3f} ms; SM clock median {r['sm_mhz_median']:.0f} MHz (min "
+            f"{r['sm_mhz_min']:.0f}); power median {r['power_w_median']:.0f} W (max "
+            f"{r['power_w_max']:.0f}); power-capped in {r['power_capped_share']:.0%} of samples",
+            flush=True)
+    ours, rope = out[f"fused PoPE (ours) {mode}"], out[f"RoPE cuDNN (scale) {mode}"]
+    out[f"ours / RoPE {mode}"] = {k: ours[k] / rope[k] for k in ("burst_ms", "sustained_ms")}
+    print(f"{shape_name} ours / RoPE {mode}: burst {ours['burst_ms'] / rope['burst_ms']:.3f}x, "
+          f"sustained {ours['sustained_ms'] / rope['sustained_ms']:.3f}x", flush=True)
   return out
 
 
@@ -533,6 +562,8 @@ def main():
                       help="--train-step also times forward, backward, optimizer, head + loss")
   parser.add_argument("--profile", action="store_true",
                       help="device time per op of the attention paths and the train steps")
+  parser.add_argument("--power", action="store_true",
+                      help="SM clock, power and time per call, burst and sustained (nvidia-smi)")
   parser.add_argument("--skip-bench", action="store_true",
                       help="skip the main tables (e.g. with --check or --variants)")
   args = parser.parse_args()
@@ -559,6 +590,11 @@ def main():
     parser.error(f"--shapes {args.shapes!r}: give some of {sorted(SHAPES)}")
   if reason := kernel.platform_reason():
     parser.error(f"needs an NVIDIA Hopper GPU: {reason}")
+  if args.power:
+    try:
+      _gpu_power.require_nvidia_smi()
+    except RuntimeError as e:
+      parser.error(str(e))
   try:
     import tokamax  # noqa: F401
     with_tokamax = True
@@ -584,6 +620,9 @@ def main():
   if args.profile:
     results["profile"] = {n: profile_attention(n, with_tokamax)
                           for n in ("bench_h64", "bench_h128")}
+  if args.power:
+    results["power"] = {"power_limit_w": _gpu_power.power_limit_w(),
+                        **{n: power_attention(n) for n in bench_shapes}}
   if args.train_step:
     results["train_step"] = train_step_ratio(args.iters, args.train_batch,
                                              breakdown=args.train_breakdown, profile=args.profile,
