@@ -25,10 +25,10 @@ call, the median of `TIMING_WINDOWS` windows of at least --iters calls and `MIN_
 shapes (the check_* shapes of `pallas_kernels.shapes`, or those of --check-shapes), in each
 dtype of --check-dtypes (default bfloat16), and exits 1 (after writing the JSON) if any is off
 by more than --check-tol.
---power runs our kernel and RoPE on cuDNN back to back for a few seconds each from an idle GPU
-(`experiments._gpu_power`, --shapes) and gives the time per call of the first window (burst) and
-of the sustained windows, the SM clock and the board power from nvidia-smi: under sustained load
-the GPU lowers its clock at its power limit.
+--power runs our kernel and RoPE on cuDNN (bf16, at each of --shapes) back to back for a few
+seconds each from an idle GPU (`experiments._gpu_power`) and gives the time per call of the first
+window (burst) and of the sustained windows, the SM clock and the board power from nvidia-smi:
+under sustained load the GPU lowers its clock at its power limit.
 --profile adds device time per op (`experiments._profiling`) of the forward and forward+backward
 of the PoPE paths and of RoPE on cuDNN at head dims 64 and 128 and, with --train-step, of both
 train steps.
@@ -412,14 +412,20 @@ def power_attention(shape_name: str, seconds: float = 4.0) -> dict:
   out = {}
   for mode, wrap in (("fwd", jax.jit), ("fwd+bwd", _fwd_bwd)):
     for name, fn in (("fused PoPE (ours)", _pope_pallas), ("RoPE cuDNN (scale)", _rope_cudnn)):
-      r = _gpu_power.sustained_run(wrap(fn), *args, seconds=seconds)
-      out[f"{name} {mode}"] = r
+      try:
+        r = out[f"{name} {mode}"] = _gpu_power.sustained_run(wrap(fn), *args, seconds=seconds)
+      except Exception as e:  # Reported, never hidden.
+        out[f"{name} {mode}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        traceback.print_exc()
+        continue
       print(f"{shape_name} {name:20s} {mode:8s} burst {r['burst_ms']:.3f} ms, sustained "
             f"{r['sustained_ms']:.3f} ms; SM clock median {r['sm_mhz_median']:.0f} MHz (min "
             f"{r['sm_mhz_min']:.0f}); power median {r['power_w_median']:.0f} W (max "
             f"{r['power_w_max']:.0f}); power-capped in {r['power_capped_share']:.0%} of samples",
             flush=True)
     ours, rope = out[f"fused PoPE (ours) {mode}"], out[f"RoPE cuDNN (scale) {mode}"]
+    if "error" in ours or "error" in rope:
+      continue
     out[f"ours / RoPE {mode}"] = {k: ours[k] / rope[k] for k in ("burst_ms", "sustained_ms")}
     print(f"{shape_name} ours / RoPE {mode}: burst {ours['burst_ms'] / rope['burst_ms']:.3f}x, "
           f"sustained {ours['sustained_ms'] / rope['sustained_ms']:.3f}x", flush=True)
@@ -563,7 +569,8 @@ def main():
   parser.add_argument("--profile", action="store_true",
                       help="device time per op of the attention paths and the train steps")
   parser.add_argument("--power", action="store_true",
-                      help="SM clock, power and time per call, burst and sustained (nvidia-smi)")
+                      help="SM clock, power and time per call, burst and sustained (nvidia-smi): "
+                      "ours and RoPE on cuDNN in bf16 at each of --shapes")
   parser.add_argument("--skip-bench", action="store_true",
                       help="skip the main tables (e.g. with --check or --variants)")
   args = parser.parse_args()
@@ -590,9 +597,10 @@ def main():
     parser.error(f"--shapes {args.shapes!r}: give some of {sorted(SHAPES)}")
   if reason := kernel.platform_reason():
     parser.error(f"needs an NVIDIA Hopper GPU: {reason}")
+  power_limit_w = None
   if args.power:
-    try:
-      _gpu_power.require_nvidia_smi()
+    try:  # nvidia-smi answers before any work starts
+      power_limit_w = _gpu_power.power_limit_w()
     except RuntimeError as e:
       parser.error(str(e))
   try:
@@ -621,7 +629,7 @@ def main():
     results["profile"] = {n: profile_attention(n, with_tokamax)
                           for n in ("bench_h64", "bench_h128")}
   if args.power:
-    results["power"] = {"power_limit_w": _gpu_power.power_limit_w(),
+    results["power"] = {"power_limit_w": power_limit_w,
                         **{n: power_attention(n) for n in bench_shapes}}
   if args.train_step:
     results["train_step"] = train_step_ratio(args.iters, args.train_batch,
