@@ -31,7 +31,7 @@ def require_nvidia_smi() -> str:
 
 
 def gpu_id() -> str:
-  """nvidia-smi's --id for the GPU JAX's first device is: the first entry of
+  """nvidia-smi's --id of the GPU behind JAX's first device: the first entry of
   CUDA_VISIBLE_DEVICES (an index or a UUID; nvidia-smi ignores that variable), else "0"."""
   return os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
 

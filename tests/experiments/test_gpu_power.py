@@ -68,8 +68,9 @@ def test_sustained_run_times_windows_while_sampling(tmp_path, monkeypatch):
   assert 0 < result["power_capped_share"] < 1
   assert _gpu_power.power_limit_w() == 700.0
   sampled, limit = calls.read_text().splitlines()
-  assert sampled.split() == ["--id=0", "--query-gpu=clocks.sm,power.draw,clocks_event_reasons.active",
-                             "--format=csv,noheader,nounits", "--loop-ms=20"]
+  assert sampled.split() == [
+      "--id=0", "--query-gpu=clocks.sm,power.draw,clocks_event_reasons.active",
+      "--format=csv,noheader,nounits", "--loop-ms=20"]
   assert limit.split()[:2] == ["--id=0", "--query-gpu=power.limit"]
 
 
