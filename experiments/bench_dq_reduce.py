@@ -1,14 +1,15 @@
 """Time the float32 dq traffic that a fused PoPE backward (dq added into GMEM per step) adds.
 
 A FlashAttention-3-style fused backward keeps each CTA's key tiles resident and, at every
-streamed query step, adds that step's dq rows into a float32 buffer by TMA reduce-add (FA3
-§3.3). This script runs only that traffic: a Mosaic GPU kernel with the dk/dv kernel's
-persistent schedule (`pallas_kernels._streaming.launch_schedule`) whose every step writes a
-[64, W] float32 tile to SMEM and adds it into dq [B, T, N, W] (B=4, N=16, T=S=4096, causal),
-with nothing else in the kernel: the memory traffic that a fused kernel adds to its own, timed
-alone, to set beside the dq kernel that fusion would remove (docs/kernel.md, "Why the backward is
-two kernels"). Cases (`CASES`): W = H (dq through the query map's VJP at each step) or 2H (the
-Cartesian da), 64 or 128 keys per CTA, and the same bytes stored without the reduction.
+streamed query step, adds that step's dq rows into a float32 buffer by TMA reduce-add (as
+FlashAttention-3's backward accumulates dQ). This script runs only that traffic: a Mosaic GPU
+kernel on the dk/dv kernel's persistent schedule (`pallas_kernels._streaming.launch_schedule`)
+whose every step writes a [64, W] float32 tile to SMEM and adds it into dq [B, T, N, W] (B=4,
+N=16, T=S=4096, causal), with nothing else in the kernel: the memory traffic that a fused kernel
+adds to its own, timed alone, to set beside the dq kernel that fusion would remove
+(docs/kernel.md, "Why the backward is two kernels"). Cases (`CASES`): W = H (dq through the
+query map's VJP at each step) or 2H (the Cartesian da), 64 or 128 keys per CTA, and the same
+bytes stored without the reduction.
 
     python -m experiments.bench_dq_reduce [--out bench_dq_reduce.json] [--iters 20]
 
@@ -42,7 +43,7 @@ F32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 class Case(NamedTuple):
   label: str
   width: int       # dq columns added per query row and step (W)
-  key_rows: int    # keys resident per CTA item (both compute warpgroups' tiles)
+  key_rows: int    # keys resident per CTA item (a fused kernel's key tiles)
   reduce: bool     # TMA reduce-add; False: the same bytes stored
 
 
