@@ -53,7 +53,7 @@ import numpy as np
 from pallas_kernels import pope_attention as kernel
 from pallas_kernels.pope_attention_config import BlockSizes, default_block_sizes
 from pallas_kernels.shapes import CHECK_TOLERANCES, SHAPES, random_inputs
-from experiments import _gpu_power, _profiling, common
+from experiments import _gpu_power, _profiling, _timing, common
 from pope_jax import attention, encodings, positions
 
 PEAK_TFLOPS = 790.0  # measured bf16 dense matmul peak on the H200 (issue text)
@@ -64,26 +64,11 @@ TIMING_WINDOWS = 5
 MIN_WINDOW_MS = 100.0  # each window runs at least this long, so its one sync is amortised
 
 
-def _time_ms(fn, *args, iters: int, windows: int = TIMING_WINDOWS,
-             min_window_ms: float | None = None) -> float:
-  """Wall-clock ms per call: the median over `windows` windows of back-to-back calls each (the
-  mean within a window), after two warm-up calls. A window has at least `iters` calls and enough
-  to last `min_window_ms`: a window pays one dispatch latency and one host sync, which longer
-  windows amortise. `min_window_ms` None: the module's MIN_WINDOW_MS (--min-window-ms)."""
-  min_window_ms = MIN_WINDOW_MS if min_window_ms is None else min_window_ms
-  jax.block_until_ready(fn(*args))
-  start = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  estimate_ms = (time.perf_counter() - start) * 1e3
-  calls = max(iters, math.ceil(min_window_ms / max(estimate_ms, 1e-3)))
-  per_call = []
-  for _ in range(windows):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    per_call.append((time.perf_counter() - start) / calls * 1e3)
-  return float(np.median(per_call))
+def _time_ms(fn, *args, iters: int, min_window_ms: float | None = None) -> float:
+  """`_timing.wall_ms` over `TIMING_WINDOWS` windows; `min_window_ms` None: the module's
+  MIN_WINDOW_MS (--min-window-ms)."""
+  return _timing.wall_ms(fn, *args, iters=iters, windows=TIMING_WINDOWS,
+                         min_window_ms=MIN_WINDOW_MS if min_window_ms is None else min_window_ms)
 
 
 def _concat_cartesian(x, positions, base, phase=None):

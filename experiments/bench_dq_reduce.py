@@ -13,8 +13,8 @@ bytes stored without the reduction.
 
     python -m experiments.bench_dq_reduce [--out bench_dq_reduce.json] [--iters 20]
 
-Prints per case: ms per call (the median of five windows of --iters calls, after one warm-up,
-less the time of the zero fill of dq), GB added and the rate; and whether dq holds the exact
+Prints per case: ms per call (the median of five windows of --iters calls, after two warm-up
+calls, less the time of the zero fill of dq timed alike), GB added and the rate; and whether dq holds the exact
 count of adds (each add is 1.0). Needs a Hopper GPU.
 """
 
@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from experiments import common
+from experiments import _timing, common
 from pallas_kernels import _streaming as st
 
 BATCH, HEADS, SEQ, QUERY_ROWS = 4, 16, 4096, 64
@@ -112,24 +112,14 @@ def dq_adds(case: Case):
   return run
 
 
-def _median_ms(fn, iters: int) -> tuple[float, jax.Array]:
-  out = fn()
-  out.block_until_ready()
-  times = []
-  for _ in range(5):
-    start = time.perf_counter()
-    for _ in range(iters):
-      out = fn()
-    out.block_until_ready()
-    times.append((time.perf_counter() - start) / iters * 1e3)
-  return float(np.median(times)), out
-
-
 def measure(case: Case, iters: int) -> dict:
   """One case's row: ms (zero fill subtracted), GB, TB/s and whether every add landed."""
-  total_ms, dq = _median_ms(dq_adds(case), iters)
-  fill_ms, _ = _median_ms(jax.jit(lambda: jnp.zeros(
-      (BATCH, SEQ, HEADS, case.width), jnp.float32)), iters)
+  adds = dq_adds(case)
+  fill = jax.jit(lambda: jnp.zeros((BATCH, SEQ, HEADS, case.width), jnp.float32))
+  # Windows of exactly --iters calls, five of them.
+  total_ms, fill_ms = (_timing.wall_ms(f, iters=iters, windows=5, min_window_ms=0.0)
+                       for f in (adds, fill))
+  dq = adds()
   ms, gb = total_ms - fill_ms, added_gb(case)
   row = {"case": case.label, **case._asdict(), "ms": ms, "gb": gb, "tb_per_s": gb / ms}
   if case.reduce:  # query row t is visited by key tiles 0 .. t // key_rows
