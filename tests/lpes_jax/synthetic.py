@@ -13,6 +13,7 @@ import json
 import random
 
 import gguf
+import gguf.quants
 import numpy as np
 import sentencepiece as spm
 import tokenizers
@@ -88,7 +89,7 @@ def bpe_vocabulary(tok: tokenizers.Tokenizer, pre: str | None) -> dict:
 
 
 def write_gguf(path, arch: str, vocab: dict, *, keys: dict | None = None, seed: int = 0,
-               biases: bool = False) -> None:
+               biases: bool = False, qtype: str = "F32") -> None:
   """A random-weight GGUF: 2 layers, D 32, N 4, K 2, H 8, F 64, V = len(vocab["tokens"]).
 
   Args:
@@ -99,6 +100,8 @@ def write_gguf(path, arch: str, vocab: dict, *, keys: dict | None = None, seed: 
     keys: extra tokenizer keys, e.g. {"add_bos_token": False, "bos_token_id": 3}.
     seed: weights' seed.
     biases: write q/k/v biases (qwen2 always has them).
+    qtype: the GGML type of the matrices (quantised with `gguf.quants.quantize`); norms and
+      biases stay F32.
   """
   rng = np.random.default_rng(seed)
   v, d, n, k, h, f, layers = len(vocab["tokens"]), 32, 4, 2, 8, 64, 2
@@ -126,9 +129,18 @@ def write_gguf(path, arch: str, vocab: dict, *, keys: dict | None = None, seed: 
   for key, value in (keys or {}).items():
     getattr(w, f"add_{key}")(value)
   normal = lambda *shape: (rng.normal(size=shape) * 0.2).astype(np.float32)
-  w.add_tensor("token_embd.weight", normal(v, d))
+  quant = gguf.GGMLQuantizationType[qtype]
+
+  def matrix(name, *shape):
+    x = normal(*shape)
+    if qtype == "F32":
+      w.add_tensor(name, x)
+    else:
+      w.add_tensor(name, gguf.quants.quantize(x, quant), raw_dtype=quant)
+
+  matrix("token_embd.weight", v, d)
   w.add_tensor("output_norm.weight", np.ones(d, np.float32))
-  w.add_tensor("output.weight", normal(v, d))
+  matrix("output.weight", v, d)
   for i in range(layers):
     b = f"blk.{i}"
     for name, shape in (("attn_norm", (d,)), ("ffn_norm", (d,))):
@@ -136,7 +148,7 @@ def write_gguf(path, arch: str, vocab: dict, *, keys: dict | None = None, seed: 
     for name, shape in (("attn_q", (n * h, d)), ("attn_k", (k * h, d)), ("attn_v", (k * h, d)),
                         ("attn_output", (d, n * h)), ("ffn_gate", (f, d)), ("ffn_up", (f, d)),
                         ("ffn_down", (d, f))):
-      w.add_tensor(f"{b}.{name}.weight", normal(*shape))
+      matrix(f"{b}.{name}.weight", *shape)
       if (biases or arch == "qwen2") and name in ("attn_q", "attn_k", "attn_v"):
         w.add_tensor(f"{b}.{name}.bias", normal(shape[0]))
   w.write_header_to_file()

@@ -5,6 +5,7 @@ import os
 import shutil
 
 import gguf
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -250,3 +251,20 @@ def test_hf_tokenizer_bos_once(tmp_path, smollm2_tokenizer):
   chat = hf.encode_chat([{"role": "user", "content": "Hello"}])
   assert chat == ids                                   # The template's BOS is not doubled.
   assert tok.encode("Hello")[0] != tok.bos_id          # The GGUF says add_bos_token = false.
+
+
+@pytest.mark.parametrize("qtype, tol", [("F16", 5e-4), ("BF16", 4e-3), ("Q8_0", 6e-3),
+                                        ("Q4_0", 0.1), ("Q4_1", 0.06), ("Q5_0", 0.05),
+                                        ("Q5_1", 0.03)])
+def test_quantised_gguf_loads_close_to_its_float_weights(tmp_path, qtype, tol):
+  """Each type gguf-py can write loads, dequantised, within its quantisation error of the float
+  weights (same seed), tensor by tensor in our layout."""
+  from tests.lpes_jax import synthetic
+  vocab = synthetic.bpe_vocabulary(synthetic.train_qwen2_bpe(300), "qwen2")
+  synthetic.write_gguf(tmp_path / "f.gguf", "llama", vocab)
+  synthetic.write_gguf(tmp_path / "q.gguf", "llama", vocab, qtype=qtype)
+  _, ref, _ = load_pretrained(str(tmp_path / "f.gguf"))
+  _, ours, _ = load_pretrained(str(tmp_path / "q.gguf"))
+  flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref))
+  for path, x in jax.tree_util.tree_leaves_with_path(ours):
+    np.testing.assert_allclose(x, flat_ref[path], atol=tol, err_msg=jax.tree_util.keystr(path))
