@@ -26,6 +26,7 @@ import numpy as np
 
 from lpes_jax.config import DTYPES, LlamaConfig
 from lpes_jax.llama import Llama
+from lpes_jax.tokenizer import GGUF_VOCABULARIES, llama_cpp_defaults
 from pope_jax.dtypes import canonical_dtype
 
 Path = tuple[str, ...]
@@ -376,7 +377,8 @@ def load_gguf(path: str, *, dtype: Any = "float32", **overrides) -> tuple[LlamaC
   Raises:
     FileNotFoundError / ValueError: unreadable or truncated file, unsupported architecture or
     quantisation type, missing / unexpected / duplicate tensors, shape mismatches. llama and
-    mistral files with attention biases load them (`_gguf_attention_biases`).
+    mistral files with attention biases load them (`_gguf_attention_biases`). A file without
+    BOS/EOS ids gets llama.cpp's defaults (`lpes_jax.tokenizer.llama_cpp_defaults`).
     TypeError / ValueError: `dtype` is not a float32/bfloat16/float16 dtype (checked first).
   """
   dtype = canonical_dtype(dtype, argument="dtype", allowed=DTYPES)
@@ -396,6 +398,13 @@ def load_gguf(path: str, *, dtype: Any = "float32", **overrides) -> tuple[LlamaC
   cfg = LlamaConfig.from_gguf_metadata(meta, tied="output.weight" not in tensors, dtype=dtype,
                                        source=path)
   cfg = _gguf_attention_biases(cfg, set(tensors), path)
+  kind = meta.get("tokenizer.ggml.model")
+  if kind in GGUF_VOCABULARIES:  # A silent file gets llama.cpp's BOS/EOS ids, as the tokenizer.
+    _, bos, eos = llama_cpp_defaults(kind, meta.get("tokenizer.ggml.pre"))
+    if "tokenizer.ggml.bos_token_id" not in meta and bos < cfg.vocab_size:
+      cfg = dataclasses.replace(cfg, bos_token_id=bos)
+    if "tokenizer.ggml.eos_token_id" not in meta and eos < cfg.vocab_size:
+      cfg = dataclasses.replace(cfg, eos_token_ids=(eos,))
   if overrides:
     cfg = dataclasses.replace(cfg, **overrides)
   specs = gguf_name_map(cfg)

@@ -186,6 +186,14 @@ def test_bos_and_eos_defaults_follow_llama_cpp(tmp_path, spm_model, qwen2, model
   assert (ids[0] == expected[1]) == expected[0]
 
 
+def test_silent_gguf_config_gets_llama_cpp_bos_and_eos(tmp_path, spm_model):
+  path = tmp_path / "m.gguf"
+  synthetic.write_gguf(path, "llama", dict(synthetic.sentencepiece_vocabulary(spm_model),
+                                           bos=None, eos=None))
+  _, _, cfg = load_pretrained(str(path))
+  assert (cfg.bos_token_id, cfg.eos_token_ids) == (1, (2,))
+
+
 @pytest.mark.parametrize("keys, message", [
     ({"tokenizer_model": "bert"}, "tokenizer.ggml.model 'bert' is not supported"),
     ({"tokenizer_pre": "gpt-4o"}, "tokenizer.ggml.pre 'gpt-4o' is not supported"),
