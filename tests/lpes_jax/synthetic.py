@@ -99,7 +99,7 @@ def write_gguf(path, arch: str, vocab: dict, *, keys: dict | None = None, seed: 
       become token-id keys, and nothing is written for add_bos_token.
     keys: extra tokenizer keys, e.g. {"add_bos_token": False, "bos_token_id": 3}.
     seed: weights' seed.
-    biases: write q/k/v biases (qwen2 always has them).
+    biases: write q/k/v and output biases (qwen2 always has q/k/v biases).
     qtype: the GGML type of the matrices (quantised with `gguf.quants.quantize`); norms and
       biases stay F32.
   """
@@ -149,7 +149,8 @@ def write_gguf(path, arch: str, vocab: dict, *, keys: dict | None = None, seed: 
                         ("attn_output", (d, n * h)), ("ffn_gate", (f, d)), ("ffn_up", (f, d)),
                         ("ffn_down", (d, f))):
       matrix(f"{b}.{name}.weight", *shape)
-      if (biases or arch == "qwen2") and name in ("attn_q", "attn_k", "attn_v"):
+      if ((biases or arch == "qwen2") and name in ("attn_q", "attn_k", "attn_v")
+          or biases and name == "attn_output"):
         w.add_tensor(f"{b}.{name}.bias", normal(shape[0]))
   w.write_header_to_file()
   w.write_kv_data_to_file()

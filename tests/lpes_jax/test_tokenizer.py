@@ -209,35 +209,3 @@ def test_unknown_vocabularies_are_named(tmp_path, qwen2, keys, message):
   synthetic.write_gguf(path, "qwen2", vocab, keys=keys)
   with pytest.raises(ValueError, match=re.escape(message)):
     load_tokenizer(str(path))
-
-
-def test_llama_gguf_with_attention_biases_loads_them(tmp_path, qwen2):
-  import gguf
-  import numpy as np
-  from lpes_jax.checkpoints import unpermute_llama_cpp
-  path = tmp_path / "m.gguf"
-  synthetic.write_gguf(path, "llama", synthetic.bpe_vocabulary(qwen2, "llama-bpe"), biases=True)
-  _, params, cfg = load_pretrained(str(path))
-  assert cfg.qkv_bias and not cfg.o_bias
-  stored = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(path)).tensors}
-  attn = params["layers_1"]["self_attn"]
-  np.testing.assert_array_equal(attn["q_proj"]["bias"],
-                                unpermute_llama_cpp(stored["blk.1.attn_q.bias"], 4))
-  np.testing.assert_array_equal(attn["k_proj"]["bias"],
-                                unpermute_llama_cpp(stored["blk.1.attn_k.bias"], 2))
-  np.testing.assert_array_equal(attn["v_proj"]["bias"], stored["blk.1.attn_v.bias"])
-
-
-def test_unknown_architecture_and_tensor_are_named(tmp_path, qwen2):
-  vocab = synthetic.bpe_vocabulary(qwen2, "qwen2")
-  synthetic.write_gguf(tmp_path / "a.gguf", "phi3", vocab)
-  with pytest.raises(ValueError, match="general.architecture 'phi3' is not supported"):
-    load_pretrained(str(tmp_path / "a.gguf"))
-  synthetic.write_gguf(tmp_path / "b.gguf", "llama", vocab, biases=True)
-  data = (tmp_path / "b.gguf").read_bytes()
-  (tmp_path / "c.gguf").write_bytes(data.replace(b"blk.0.attn_v.bias", b"blk.0.attn_x.bias"))
-  with pytest.raises(ValueError, match=r"q/k/v biases must come together.*attn_v.bias"):
-    load_pretrained(str(tmp_path / "c.gguf"))
-  (tmp_path / "d.gguf").write_bytes(data.replace(b"blk.1.attn_v.bias", b"blk.1.attn_x.bias"))
-  with pytest.raises(ValueError, match=r"missing tensors \['blk.1.attn_v.bias'\]"):
-    load_pretrained(str(tmp_path / "d.gguf"))
