@@ -21,7 +21,7 @@ from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
 from lpes_jax.tokenizer import _QWEN2_PATTERN
 
-_WORDS = ("the quick brown fox jumps over a lazy dog while the model reads long prompts and "
+WORDS = ("the quick brown fox jumps over a lazy dog while the model reads long prompts and "
           "answers questions about retrieval keys values llama vicuna chat café naïve Zürich "
           "élève façade über straße année привет мир").split()
 SPM_USER_DEFINED, SPM_CONTROL = "<tool>", "<|sep|>"
@@ -31,7 +31,7 @@ QWEN2_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 def corpus(seed: int = 0, lines: int = 300) -> list[str]:
   """A few KB of sentences with words, accents, Cyrillic and numbers."""
   rng = random.Random(seed)
-  return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12)))
+  return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
           + f" {rng.randint(0, 99999)}." for _ in range(lines)]
 
 

@@ -6,6 +6,7 @@ SentencePiece vocabularies (GGUF `model = "llama"`, HF `tokenizer.model`) are ch
 """
 
 import json
+import random
 import re
 
 import pytest
@@ -82,6 +83,17 @@ def test_sentencepiece_gguf_gives_llama_cpp_ids(llama2_gguf, spm_processor, name
   assert tok.encode(text, add_bos=False) == reference
   if "<" not in text:
     assert tok.decode(tok.encode(text)) == text
+
+
+def test_sentencepiece_gguf_on_random_strings(llama2_gguf, spm_processor):
+  """Random mixes of words, spaces, newlines, tabs, digits, punctuation, accents, bytes."""
+  tok = load_tokenizer(str(llama2_gguf))
+  rng = random.Random(0)
+  alphabet = list("abcdefghij  \n\t0123456789.,'éüßΩ東🙂") + list(synthetic.WORDS) + [
+      synthetic.SPM_CONTROL, synthetic.SPM_USER_DEFINED, "</s>"]
+  for _ in range(500):
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 16)))
+    assert tok.encode(text, add_bos=False) == _llama_cpp_reference(spm_processor, text), text
 
 
 def test_sentencepiece_without_space_prefix(tmp_path, spm_processor, spm_model):
