@@ -172,6 +172,16 @@ def test_qwen2_gguf_gives_the_tokenizer_json_ids(qwen2_gguf, qwen2, name):
   assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
 
 
+def test_qwen2_gguf_on_random_strings(qwen2_gguf, qwen2):
+  tok = load_tokenizer(str(qwen2_gguf))
+  rng = random.Random(1)
+  alphabet = list("abcdefghij  \n\r\t0123456789.,'éüßΩ東🙂") + list(synthetic.WORDS) + list(
+      synthetic.QWEN2_SPECIALS) + ["'s", "'LL", " 12345"]
+  for _ in range(500):
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 16)))
+    assert tok.encode(text) == qwen2.encode(text).ids, text
+
+
 @pytest.mark.parametrize("model, pre, keys, expected", [
     ("llama", None, {}, (True, 1, 2)),
     ("llama", None, {"add_bos_token": False}, (False, 1, 2)),
