@@ -22,7 +22,7 @@ def gguf_file(request, tmp_path_factory):
     vocab = synthetic.sentencepiece_vocabulary(synthetic.train_sentencepiece())
     synthetic.write_gguf(path, "llama", vocab)
   else:
-    vocab = synthetic.bpe_vocabulary(synthetic.train_qwen2_bpe(), "qwen2")
+    vocab = synthetic.bpe_vocabulary(synthetic.train_byte_level_bpe(), "qwen2")
     synthetic.write_gguf(path, "qwen2", vocab)
   return request.param, str(path)
 

@@ -2,8 +2,8 @@
 
 * `train_sentencepiece`: a SentencePiece BPE model with Llama-2's trainer settings (identity
   normalisation, byte fallback, split digits, whitespace-only pieces, "▁" prefix).
-* `train_qwen2_bpe`: a byte-level BPE `tokenizers.Tokenizer` with Qwen2's tokenizer.json
-  pre-tokeniser and special tokens (its own ids are Qwen2's reference: no BOS).
+* `train_byte_level_bpe`: a byte-level BPE `tokenizers.Tokenizer` with Qwen2's (or Llama-3's)
+  tokenizer.json pre-tokeniser and Qwen2's special tokens; its ids are the reference.
 * `write_gguf`: a tiny random-weight Llama-family GGUF with a given vocabulary, written with the
   `gguf` package's GGUFWriter as llama.cpp's converter lays it out.
 """
@@ -19,7 +19,6 @@ import sentencepiece as spm
 import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
-from lpes_jax.tokenizer import _QWEN2_PATTERN
 
 WORDS = ("the quick brown fox jumps over a lazy dog while the model reads long prompts and "
           "answers questions about retrieval keys values llama vicuna chat café naïve Zürich "
@@ -62,11 +61,19 @@ def sentencepiece_vocabulary(model: bytes) -> dict:
               unk=proto.trainer_spec.unk_id)
 
 
-def train_qwen2_bpe(vocab_size: int = 400) -> tokenizers.Tokenizer:
-  """A byte-level BPE with Qwen2's pre-tokeniser (regex split, then bytes) and special tokens."""
+# The split patterns as the models' tokenizer.json files write them.
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
+                 r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
+                  r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def train_byte_level_bpe(vocab_size: int = 400, pattern: str = QWEN2_PATTERN) -> tokenizers.Tokenizer:
+  """A byte-level BPE with Qwen2's pre-tokeniser (regex split, then bytes) and special tokens
+  (`pattern=LLAMA3_PATTERN`: Llama-3's pre-tokeniser)."""
   tok = tokenizers.Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.Sequence([
-      pre_tokenizers.Split(Regex(_QWEN2_PATTERN), behavior="isolated", invert=False),
+      pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
       pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
   tok.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(QWEN2_SPECIALS),

@@ -260,7 +260,7 @@ def test_hf_tokenizer_bos_once(tmp_path, smollm2_tokenizer):
 def test_quantised_gguf_loads_close_to_its_float_weights(tmp_path, qtype, tol):
   """Each type gguf-py can write loads, dequantised, within its quantisation error of the float
   weights (same seed), tensor by tensor in our layout."""
-  vocab = synthetic.bpe_vocabulary(synthetic.train_qwen2_bpe(300), "qwen2")
+  vocab = synthetic.bpe_vocabulary(synthetic.train_byte_level_bpe(300), "qwen2")
   synthetic.write_gguf(tmp_path / "f.gguf", "llama", vocab)
   synthetic.write_gguf(tmp_path / "q.gguf", "llama", vocab, qtype=qtype)
   _, ref, _ = load_pretrained(str(tmp_path / "f.gguf"))
@@ -272,7 +272,7 @@ def test_quantised_gguf_loads_close_to_its_float_weights(tmp_path, qtype, tol):
 
 def test_llama_gguf_with_attention_biases_loads_them(tmp_path):
   path = tmp_path / "m.gguf"
-  synthetic.write_gguf(path, "llama", synthetic.bpe_vocabulary(synthetic.train_qwen2_bpe(300), "llama-bpe"), biases=True)
+  synthetic.write_gguf(path, "llama", synthetic.bpe_vocabulary(synthetic.train_byte_level_bpe(300), "llama-bpe"), biases=True)
   _, params, cfg = load_pretrained(str(path))
   assert cfg.qkv_bias and cfg.o_bias
   stored = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(path)).tensors}
@@ -286,7 +286,7 @@ def test_llama_gguf_with_attention_biases_loads_them(tmp_path):
 
 
 def test_unknown_architecture_and_tensor_are_named(tmp_path):
-  vocab = synthetic.bpe_vocabulary(synthetic.train_qwen2_bpe(300), "qwen2")
+  vocab = synthetic.bpe_vocabulary(synthetic.train_byte_level_bpe(300), "qwen2")
   synthetic.write_gguf(tmp_path / "a.gguf", "phi3", vocab)
   with pytest.raises(ValueError, match="general.architecture 'phi3' is not supported"):
     load_pretrained(str(tmp_path / "a.gguf"))

@@ -152,7 +152,7 @@ def test_unsupported_sentencepiece_models_are_named(tmp_path, spm_model):
 @pytest.fixture(scope="module")
 def qwen2():
   """(reference tokenizer, GGUF path) of a Qwen2-style byte-level BPE."""
-  return synthetic.train_qwen2_bpe()
+  return synthetic.train_byte_level_bpe()
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +170,18 @@ def test_qwen2_gguf_gives_the_tokenizer_json_ids(qwen2_gguf, qwen2, name):
   assert not tok.add_bos                                      # qwen2 pre-tokeniser: no BOS.
   assert tok.encode(text) == qwen2.encode(text).ids
   assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "llama3"])
+def test_llama3_gguf_gives_the_tokenizer_json_ids_after_bos(tmp_path, pre):
+  reference = synthetic.train_byte_level_bpe(pattern=synthetic.LLAMA3_PATTERN)
+  vocab = synthetic.bpe_vocabulary(reference, pre)
+  synthetic.write_gguf(tmp_path / "m.gguf", "llama", dict(vocab, bos=1))
+  tok = load_tokenizer(str(tmp_path / "m.gguf"))
+  for text in TEXTS.values():
+    text = text.replace("<s>", "<|im_start|>").replace("</s>", "<|im_end|>")
+    assert tok.encode(text) == _with_bos(reference.encode(text).ids, 1), text
+  assert tok.encode("12345 'LL") == [1] + reference.encode("12345 'LL").ids
 
 
 def test_qwen2_gguf_on_random_strings(qwen2_gguf, qwen2):
