@@ -275,7 +275,8 @@ def load_hf_tokenizer(folder: str) -> Tokenizer:
 
   Raises:
     FileNotFoundError: neither tokenizer.json nor tokenizer.model.
-    ValueError: a tokenizer.model that does not load (see `_sentencepiece_model`).
+    ValueError: a tokenizer.model that does not load (see `_sentencepiece_model`); a BOS/EOS
+      token that is not in the vocabulary.
   """
   cfg: dict[str, Any] = {}
   cfg_path = os.path.join(folder, "tokenizer_config.json")
@@ -309,6 +310,9 @@ def load_hf_tokenizer(folder: str) -> Tokenizer:
   pad_token = _special_token_string(cfg.get("pad_token"))
   bos_id = None if bos_token is None else backend.token_to_id(bos_token)
   eos_id = None if eos_token is None else backend.token_to_id(eos_token)
+  for name, token, token_id in (("bos_token", bos_token, bos_id), ("eos_token", eos_token, eos_id)):
+    if token is not None and token_id is None:
+      raise ValueError(f"{cfg_path}: {name} {token!r} is not in the vocabulary")
   if "add_bos_token" in cfg:
     add_bos = bool(cfg["add_bos_token"])
   else:

@@ -136,6 +136,13 @@ def test_hf_tokenizer_model_follows_tokenizer_config(tmp_path, spm_model):
   assert not tok.add_bos and tok.eos_ids == (3,) and tok.encode("hi")[0] != 1
 
 
+def test_hf_special_token_outside_the_vocabulary_is_named(tmp_path, spm_model):
+  (tmp_path / "tokenizer.model").write_bytes(spm_model)
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>"}))
+  with pytest.raises(ValueError, match=re.escape("tokenizer_config.json: eos_token '<|eot_id|>'")):
+    load_tokenizer(str(tmp_path))
+
+
 def test_unsupported_sentencepiece_models_are_named(tmp_path, spm_model):
   unigram = synthetic.train_sentencepiece(330, model_type="unigram")
   (tmp_path / "tokenizer.model").write_bytes(unigram)
