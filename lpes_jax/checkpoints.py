@@ -26,6 +26,7 @@ import numpy as np
 
 from lpes_jax.config import DTYPES, LlamaConfig
 from lpes_jax.llama import Llama
+from lpes_jax.tokenizer import GGUF_VOCABULARIES, llama_cpp_defaults
 from pope_jax.dtypes import canonical_dtype
 
 Path = tuple[str, ...]
@@ -348,6 +349,25 @@ def dequantize_gguf_tensor(tensor, *, where: str = "GGUF") -> np.ndarray:
   return np.asarray(dequantize(tensor.data, qtype), dtype=np.float32)
 
 
+def _gguf_attention_biases(cfg: LlamaConfig, names: set[str], path: str) -> LlamaConfig:
+  """llama and mistral GGUFs may carry attention biases (llama.cpp loads `attn_q/k/v.bias` and
+  `attn_output.bias` as optional tensors of LLM_ARCH_LLAMA); read which from block 0. Every block
+  must then have them (else `_check_names` names the missing ones).
+
+  Raises:
+    ValueError: some but not all of block 0's q/k/v biases (named).
+  """
+  if cfg.model_type not in GGUF_PERMUTED_ARCHITECTURES:
+    return cfg
+  qkv = [f"blk.0.attn_{x}.bias" for x in "qkv"]
+  present = [n for n in qkv if n in names]
+  if present and len(present) < 3:
+    raise ValueError(f"{path}: q/k/v biases must come together; found {present}, missing "
+                     f"{sorted(set(qkv) - set(present))}")
+  return dataclasses.replace(cfg, qkv_bias=bool(present),
+                             o_bias="blk.0.attn_output.bias" in names)
+
+
 def load_gguf(path: str, *, dtype: Any = "float32", **overrides) -> tuple[LlamaConfig, dict]:
   """Loads a llama.cpp GGUF file: config from metadata, tensors dequantised to float32.
 
@@ -356,12 +376,17 @@ def load_gguf(path: str, *, dtype: Any = "float32", **overrides) -> tuple[LlamaC
 
   Raises:
     FileNotFoundError / ValueError: unreadable or truncated file, unsupported architecture or
-    quantisation type, missing / unexpected / duplicate tensors, shape mismatches.
+    quantisation type, missing / unexpected / duplicate tensors, shape mismatches. llama and
+    mistral files with attention biases load them (`_gguf_attention_biases`). A file without
+    BOS/EOS ids gets llama.cpp's defaults (`lpes_jax.tokenizer.llama_cpp_defaults`).
     TypeError / ValueError: `dtype` is not a float32/bfloat16/float16 dtype (checked first).
   """
   dtype = canonical_dtype(dtype, argument="dtype", allowed=DTYPES)
   reader = _open_gguf(path)
   meta = gguf_metadata(reader)
+  arch_vocab = f"{meta.get('general.architecture')}.vocab_size"
+  if arch_vocab not in meta and "tokenizer.ggml.tokens" in reader.fields:
+    meta[arch_vocab] = len(reader.fields["tokenizer.ggml.tokens"].data)  # As llama.cpp counts.
   tensors: dict[str, Any] = {}
   for t in reader.tensors:
     if t.name in tensors:
@@ -372,6 +397,14 @@ def load_gguf(path: str, *, dtype: Any = "float32", **overrides) -> tuple[LlamaC
                      f"are not supported for GGUF")
   cfg = LlamaConfig.from_gguf_metadata(meta, tied="output.weight" not in tensors, dtype=dtype,
                                        source=path)
+  cfg = _gguf_attention_biases(cfg, set(tensors), path)
+  kind = meta.get("tokenizer.ggml.model")
+  if kind in GGUF_VOCABULARIES:  # A silent file gets llama.cpp's BOS/EOS ids, as the tokenizer.
+    _, bos, eos = llama_cpp_defaults(kind, meta.get("tokenizer.ggml.pre"))
+    if "tokenizer.ggml.bos_token_id" not in meta and bos < cfg.vocab_size:
+      cfg = dataclasses.replace(cfg, bos_token_id=bos)
+    if "tokenizer.ggml.eos_token_id" not in meta and eos < cfg.vocab_size:
+      cfg = dataclasses.replace(cfg, eos_token_ids=(eos,))
   if overrides:
     cfg = dataclasses.replace(cfg, **overrides)
   specs = gguf_name_map(cfg)

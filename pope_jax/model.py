@@ -34,6 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from pope_jax import checks
 from pope_jax.config import ModelConfig
 from pope_jax.encodings import layer_multipliers
 from pope_jax.layers import PositionalAttention
@@ -136,9 +137,12 @@ class Transformer(nn.Module):
     Raises:
       ValueError: tokens not [B, T]; attention_mask or [B, T]-shaped positions of another
         shape; bad multiplier shape; more new tokens than the cache's free slots (named; checked
-        against the written slots when the cache index is concrete, else the cache length).
+        against the written slots when the cache index is concrete, else the cache length);
+        concrete token ids outside [0, V), named with their index.
+      TypeError: tokens that are not integers (e.g. a string prompt).
     """
     cfg = self.config
+    checks.check_token_ids(tokens, cfg.vocab_size, argument="tokens")
     if jnp.ndim(tokens) != 2:
       raise ValueError(f"tokens must be [batch, length], got shape {jnp.shape(tokens)} "
                        "(add a batch axis: tokens[None])")

@@ -5,6 +5,7 @@ import os
 import shutil
 
 import gguf
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -12,6 +13,7 @@ from safetensors.numpy import load_file, save_file
 from lpes_jax import LlamaConfig, load_pretrained, load_tokenizer
 from lpes_jax.checkpoints import dequantize_gguf_tensor, load_gguf, unpermute_llama_cpp
 from lpes_jax.rope_scaling import RopeScaling, llama3_frequencies, rope_inverse_frequencies
+from tests.lpes_jax import synthetic
 from tests.lpes_jax.conftest import FIXTURES
 
 
@@ -250,3 +252,49 @@ def test_hf_tokenizer_bos_once(tmp_path, smollm2_tokenizer):
   chat = hf.encode_chat([{"role": "user", "content": "Hello"}])
   assert chat == ids                                   # The template's BOS is not doubled.
   assert tok.encode("Hello")[0] != tok.bos_id          # The GGUF says add_bos_token = false.
+
+
+@pytest.mark.parametrize("qtype, tol", [("F16", 5e-4), ("BF16", 4e-3), ("Q8_0", 6e-3),
+                                        ("Q4_0", 0.1), ("Q4_1", 0.06), ("Q5_0", 0.05),
+                                        ("Q5_1", 0.03)])
+def test_quantised_gguf_loads_close_to_its_float_weights(tmp_path, qtype, tol):
+  """Each type gguf-py can write loads, dequantised, within its quantisation error of the float
+  weights (same seed), tensor by tensor in our layout."""
+  vocab = synthetic.bpe_vocabulary(synthetic.train_byte_level_bpe(300), "qwen2")
+  synthetic.write_gguf(tmp_path / "f.gguf", "llama", vocab)
+  synthetic.write_gguf(tmp_path / "q.gguf", "llama", vocab, qtype=qtype)
+  _, ref, _ = load_pretrained(str(tmp_path / "f.gguf"))
+  _, ours, _ = load_pretrained(str(tmp_path / "q.gguf"))
+  flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref))
+  for path, x in jax.tree_util.tree_leaves_with_path(ours):
+    np.testing.assert_allclose(x, flat_ref[path], atol=tol, err_msg=jax.tree_util.keystr(path))
+
+
+def test_llama_gguf_with_attention_biases_loads_them(tmp_path):
+  path = tmp_path / "m.gguf"
+  synthetic.write_gguf(path, "llama", synthetic.bpe_vocabulary(synthetic.train_byte_level_bpe(300), "llama-bpe"), biases=True)
+  _, params, cfg = load_pretrained(str(path))
+  assert cfg.qkv_bias and cfg.o_bias
+  stored = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(path)).tensors}
+  attn = params["layers_1"]["self_attn"]
+  np.testing.assert_array_equal(attn["q_proj"]["bias"],
+                                unpermute_llama_cpp(stored["blk.1.attn_q.bias"], 4))
+  np.testing.assert_array_equal(attn["k_proj"]["bias"],
+                                unpermute_llama_cpp(stored["blk.1.attn_k.bias"], 2))
+  np.testing.assert_array_equal(attn["v_proj"]["bias"], stored["blk.1.attn_v.bias"])
+  np.testing.assert_array_equal(attn["o_proj"]["bias"], stored["blk.1.attn_output.bias"])
+
+
+def test_unknown_architecture_and_tensor_are_named(tmp_path):
+  vocab = synthetic.bpe_vocabulary(synthetic.train_byte_level_bpe(300), "qwen2")
+  synthetic.write_gguf(tmp_path / "a.gguf", "phi3", vocab)
+  with pytest.raises(ValueError, match="general.architecture 'phi3' is not supported"):
+    load_pretrained(str(tmp_path / "a.gguf"))
+  synthetic.write_gguf(tmp_path / "b.gguf", "llama", vocab, biases=True)
+  data = (tmp_path / "b.gguf").read_bytes()
+  (tmp_path / "c.gguf").write_bytes(data.replace(b"blk.0.attn_v.bias", b"blk.0.attn_x.bias"))
+  with pytest.raises(ValueError, match=r"q/k/v biases must come together.*attn_v.bias"):
+    load_pretrained(str(tmp_path / "c.gguf"))
+  (tmp_path / "d.gguf").write_bytes(data.replace(b"blk.1.attn_v.bias", b"blk.1.attn_x.bias"))
+  with pytest.raises(ValueError, match=r"missing tensors \['blk.1.attn_v.bias'\]"):
+    load_pretrained(str(tmp_path / "d.gguf"))

@@ -199,3 +199,13 @@ def test_bf16_cache_in_the_compute_dtype():
   full = model.apply({"params": params}, TOKENS)
   assert logits.dtype == jnp.float32 and int(cache["index"]) == 9
   np.testing.assert_allclose(logits, full, atol=0.05 * float(jnp.abs(full).max()))
+
+
+@pytest.mark.parametrize("bad, index", [(40, (0, 3)), (-1, (1, 0))])
+def test_token_ids_outside_the_vocabulary_are_refused(bad, index):
+  model, params = _init(CFG)
+  tokens = np.asarray(TOKENS).copy()
+  tokens[index] = bad
+  with pytest.raises(ValueError, match=rf"token id {bad} at index \({index[0]}, {index[1]}\)"):
+    model.apply({"params": params}, tokens)
+  jax.jit(lambda p, t: model.apply({"params": p}, t))(params, TOKENS)   # Traced ids: unchecked.
