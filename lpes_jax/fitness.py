@@ -96,9 +96,9 @@ ForwardFn = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
 # Greedy decoding: (params, tokens [B, T], mask [B, T], multipliers, num_new) → [B, num_new] int32.
 GreedyFn = Callable[[Any, jax.Array, jax.Array, jax.Array, int], jax.Array]
 
-# Teacher-forced rows are padded to a multiple of this many tokens: few compiled shapes, and
-# sequence lengths that fused attention kernels take.
-LENGTH_BUCKET = 64
+# Teacher-forced rows are padded to a multiple of this many tokens: few compiled shapes, little
+# padding on short rows (SmolLM2's KV prompts are ~170 tokens).
+LENGTH_BUCKET = 16
 
 
 def teacher_forced_inputs(batch: FitnessBatch, *, bucket: int = LENGTH_BUCKET):
