@@ -231,9 +231,11 @@ def report(results: dict, out: str) -> str:
   n = PAPER_SEARCH[0] * PAPER_SEARCH[1]
   for name, r in results["cases"].items():
     if name.startswith("llama7b"):
-      hours = n / r["fused"]["candidate_examples_per_s"] / 3600 * results["num_devices"]
+      hours = {k: n / r[k]["candidate_examples_per_s"] / 3600 * results["num_devices"]
+               for k in ("before", "fused") if k in r}
+      before = f", before {hours['before']:.2f} h" if "before" in hours else ""
       lines.append(f"projected 7B search, {name}: {PAPER_SEARCH[0]} candidates x "
-                   f"{PAPER_SEARCH[1]} examples on one device: {hours:.2f} h "
+                   f"{PAPER_SEARCH[1]} examples on one device: {hours['fused']:.2f} h{before} "
                    f"(paper: {PAPER_HOURS})")
   smol = results["cases"].get("smollm2_kv")
   if smol:
