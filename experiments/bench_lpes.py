@@ -9,9 +9,9 @@ the set of docs/lpes.md), and the Llama-7B shape with random bf16 weights at the
 of the paper's tasks (random tokens: the cost of a row depends only on its length). Each case is
 timed with two settings of `lpes_jax.fitness`: "before", the settings of the search runs in
 docs/lpes.md (XLA attention; SmolLM2 in float32 with 100 examples per forward; at 7B, KV only,
-the largest steps that fit, as all candidates at once do not), and "fused", bfloat16 with `attention_implementation=None` (cuDNN on a GPU).
-From the 7B rates it projects a search of 208 candidates × 200 examples on one device, beside
-the paper's 3-4 h on four H100s.
+the largest steps that fit, as all candidates at once do not), and "fused", bfloat16 with
+`attention_implementation=None` (cuDNN on a GPU). From the 7B rates it projects a search of
+208 candidates × 200 examples on one device, beside the paper's 3-4 h on four H100s.
 
 It also writes what `experiments/lpes_transformers.py` needs to score the same SmolLM2 examples
 and candidates in PyTorch (a Hugging Face folder, an .npz); `--report` reads that script's JSON

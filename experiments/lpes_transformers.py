@@ -1,7 +1,8 @@
-"""The LPES teacher-forced fitness as a PyTorch user writes it: transformers, one candidate at a time.
+"""The LPES teacher-forced fitness as a PyTorch user writes it: transformers, candidates in turn.
 
     python experiments/lpes_transformers.py --model runs/bench_lpes/smollm2_hf \\
-        --examples runs/bench_lpes/smollm2_examples.npz --out runs/bench_lpes/transformers_smollm2.json
+        --examples runs/bench_lpes/smollm2_examples.npz \\
+        --out runs/bench_lpes/transformers_smollm2.json
     python experiments/lpes_transformers.py --shape llama-7b --prompt-len 4000 --window 32 \\
         --num-examples 16 --num-candidates 2 --out runs/bench_lpes/transformers_7b_kv.json
 

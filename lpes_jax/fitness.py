@@ -93,7 +93,8 @@ def make_batch(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]
 # A teacher-forced forward: (params, tokens [B, T] right-padded, multipliers [L] or [L, N],
 # at [B, W] int32 positions) → the logits at those positions [B, W, V] (float32).
 ForwardFn = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
-# Greedy decoding: (params, tokens [B, T], mask [B, T], multipliers, num_new) → [B, num_new] int32.
+# Greedy decoding: (params, tokens [B, T], mask [B, T], multipliers, num_new) → [B, num_new]
+# int32.
 GreedyFn = Callable[[Any, jax.Array, jax.Array, jax.Array, int], jax.Array]
 
 # Teacher-forced rows are padded to a multiple of this many tokens: few compiled shapes, little
