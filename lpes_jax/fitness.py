@@ -1,17 +1,17 @@
 """LPES fitness: search examples as token arrays, scored for a whole population in one call.
 
-The fitness of a population is one jitted call (`make_fitness_fn`; `fitness_fn_factory` shares
-that program between batches of one shape): `jax.vmap` over the
-candidates' multipliers, the candidate axis sharded over all local devices (a 1-D `Mesh` named
-"candidates"), examples batched within a device and looped with `lax.map`. Two modes:
+The fitness of a population is one jitted program (`make_fitness_fn`; `fitness_fn_factory` shares
+it between batches of one shape): `jax.vmap` over a call's candidates' multipliers, the candidate
+axis sharded over all local devices (a 1-D `Mesh` named "candidates"), examples batched within a
+device and looped with `lax.map`. Two modes:
   * "teacher_forced": one forward pass over prompt + gold answer tokens; an example counts iff the
     argmax at every answer position is the next gold token — exactly when greedy decoding would
-    produce the gold answer tokens first;
+    produce the gold answer tokens first. Rows are right-padded, so the forward is a plain causal
+    call (no mask, default positions), which fused attention runs;
   * "greedy": real greedy decoding (KV cache) of as many tokens as the longest answer, counted iff
     the first answer-length generated tokens equal the answer tokens.
-The model enters as two functions (ForwardFn, GreedyFn): for Llama, `llama_fitness_fns(config)`
-gives `lpes_jax.generate`'s `last_logits` and `greedy_tokens`; any model taking
-`rope_multipliers` works through `full_logits_forward`.
+The model enters as two functions (ForwardFn, GreedyFn): for Llama, `llama_fitness_fns(config)`;
+any causal model taking `rope_multipliers` works through `full_logits_forward`.
 
 Shape letters: P population, L layers, N heads, E examples, T tokens, W answer window, V vocabulary,
 S subsets (begin, middle, end).
@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from lpes_jax import generate
 from lpes_jax.config import LlamaConfig
+from lpes_jax.llama import Llama
 
 SUBSETS = ("begin", "middle", "end")
 FITNESS_MODES = ("teacher_forced", "greedy")
@@ -89,46 +90,55 @@ def make_batch(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]
   return FitnessBatch(tok, mask, ans, amask, np.asarray(subset, np.int32))
 
 
-# A forward: (params, tokens [B, T], mask [B, T], multipliers [L] or [L, N], window W) →
-# logits of the last W positions [B, W, V] (float32).
-ForwardFn = Callable[[Any, jax.Array, jax.Array, jax.Array, int], jax.Array]
-# Greedy decoding: (params, tokens [B, T], mask [B, T], multipliers, num_new) → [B, num_new] int32.
+# A teacher-forced forward: (params, tokens [B, T] right-padded, multipliers [L] or [L, N],
+# at [B, W] int32 positions) → the logits at those positions [B, W, V] (float32).
+ForwardFn = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
+# Greedy decoding: (params, tokens [B, T], mask [B, T], multipliers, num_new) → [B, num_new]
+# int32.
 GreedyFn = Callable[[Any, jax.Array, jax.Array, jax.Array, int], jax.Array]
 
+# Teacher-forced rows are padded to a multiple of this many tokens: few compiled shapes, little
+# padding on short rows (SmolLM2's KV prompts are ~170 tokens).
+LENGTH_BUCKET = 16
 
-def teacher_forced_inputs(batch: FitnessBatch):
-  """Prompt + answer, the whole sequence left-padded so the answers end every row.
+
+def teacher_forced_inputs(batch: FitnessBatch, *, bucket: int = LENGTH_BUCKET):
+  """Prompt + answer (its last token dropped) per row, from position 0, right-padded.
+
+  A causal model reads a right-padded row exactly as the unpadded one: no token attends to the
+  padding after it, and positions start at 0 with no mask. So the forward is a plain causal
+  call, which fused attention (cuDNN) runs. The width is the batch's padded prompt length plus
+  W − 1 rounded up to `bucket`, so batches padded alike (`pad_batch`) share one shape.
 
   Returns:
-    tokens [E, T + W] int32, mask [E, T + W] bool, targets [E, W] int32 (gold answer tokens,
+    tokens [E, T'] int32 (pads are id 0, never read by a real token), at [E, W] int32 (the
+    position whose logits predict each answer slot), targets [E, W] int32 (gold answer tokens,
     right-aligned), target_mask [E, W] bool.
   """
   E, T = batch.prompt_tokens.shape
   W = batch.answer_tokens.shape[1]
-  tokens = np.zeros((E, T + W), np.int32)
-  mask = np.zeros((E, T + W), bool)
+  width = -(-(T + W - 1) // bucket) * bucket
+  tokens = np.zeros((E, width), np.int32)
+  at = np.zeros((E, W), np.int32)
   targets = np.zeros((E, W), np.int32)
   tmask = np.zeros((E, W), bool)
   for e in range(E):
     p = batch.prompt_tokens[e][batch.prompt_mask[e]]
     a = batch.answer_tokens[e][batch.answer_mask[e]]
-    seq = np.concatenate([p, a])
-    tokens[e, T + W - len(seq):] = seq
-    mask[e, T + W - len(seq):] = True
+    seq = np.concatenate([p, a])[:-1]
+    tokens[e, :len(seq)] = seq
+    # Slot w (right-aligned answers) is predicted by the logits at len(seq) − W + w.
+    at[e] = np.maximum(len(seq) - W + np.arange(W), 0)
     targets[e, W - len(a):] = a
     tmask[e, W - len(a):] = True
-  return tokens, mask, targets, tmask
+  return tokens, at, targets, tmask
 
 
-def teacher_forced_correct(forward: ForwardFn, params, multipliers, tokens, mask, targets,
+def teacher_forced_correct(forward: ForwardFn, params, multipliers, tokens, at, targets,
                            target_mask) -> jax.Array:
-  """[E] bool: every answer token is the argmax of the logits one position earlier.
-
-  The logits at positions T+W−W−1 … T+W−2 predict the tokens at the last W positions (the answer,
-  right-aligned); padding slots of short answers are ignored.
-  """
-  W = targets.shape[1]
-  logits = forward(params, tokens[:, :-1], mask[:, :-1], multipliers, W)        # [E, W, V]
+  """[E] bool: every answer token is the argmax of the logits one position earlier (see
+  `teacher_forced_inputs`); padding slots of short answers are ignored."""
+  logits = forward(params, tokens, multipliers, at)                          # [E, W, V]
   hit = jnp.argmax(logits, axis=-1) == targets
   return jnp.all(hit | ~target_mask, axis=-1)
 
@@ -164,14 +174,16 @@ def make_fitness_fn(params, batch: FitnessBatch, **kwargs):
 
 def fitness_fn_factory(params, *, mode: str = "teacher_forced", forward: ForwardFn | None = None,
                        greedy: GreedyFn | None = None, example_batch: int = 8,
-                       mesh: Mesh | None = None):
+                       candidate_batch: int | None = None, mesh: Mesh | None = None):
   """batch → fitness function (multipliers [P, L] or [P, L, N] → subset accuracies [P, S] numpy
   float64), all batches sharing one jitted program: batches of one shape (e.g. the search sets
   of several seeds, padded alike with `pad_batch`) compile once.
 
-  The whole population is one jitted call: `jax.vmap` over candidates, the candidate axis sharded
-  over `mesh` (default: all local devices; P is padded to a multiple of the device count), the
-  examples looped in chunks of `example_batch` with `lax.map` inside each device.
+  One jitted call scores `candidate_batch` candidates on every example: `jax.vmap` over the
+  candidates, sharded over `mesh`, the examples looped in chunks of `example_batch` with
+  `lax.map` inside each device, so one step runs the model on candidate_batch / devices ×
+  example_batch rows. A population is scored in calls of that many candidates (the last call
+  padded with copies of the first candidate), so the compiled shape does not depend on P.
 
   Args:
     params: model parameters (replicated on every device).
@@ -179,10 +191,13 @@ def fitness_fn_factory(params, *, mode: str = "teacher_forced", forward: Forward
     forward, greedy: the model's forward / greedy decoder (see ForwardFn, GreedyFn); any model
       taking `rope_multipliers` works (Llama, the PoPE Transformer).
     example_batch: examples per forward within a device.
+    candidate_batch: candidates per call, rounded up to a multiple of the device count; None:
+      the whole population in one call (one compile per population size).
     mesh: device mesh with axis "candidates".
 
   Raises:
-    ValueError: unknown mode, missing function; (when called) a batch with an empty subset.
+    ValueError: unknown mode, missing function, example_batch or candidate_batch < 1; (when
+      called) a batch with an empty subset.
   """
   if mode not in FITNESS_MODES:
     raise ValueError(f"mode must be one of {FITNESS_MODES}, got {mode!r}")
@@ -190,6 +205,9 @@ def fitness_fn_factory(params, *, mode: str = "teacher_forced", forward: Forward
     raise ValueError("mode='teacher_forced' needs a forward function")
   if mode == "greedy" and greedy is None:
     raise ValueError("mode='greedy' needs a greedy decoding function")
+  for name, value in (("example_batch", example_batch), ("candidate_batch", candidate_batch)):
+    if value is not None and value < 1:
+      raise ValueError(f"{name} must be >= 1, got {value}")
   mesh = candidate_mesh() if mesh is None else mesh
   n_dev = mesh.devices.size
   if mode == "teacher_forced":
@@ -230,11 +248,13 @@ def fitness_fn_factory(params, *, mode: str = "teacher_forced", forward: Forward
     def fitness(multipliers) -> np.ndarray:
       m = np.asarray(multipliers, np.float32)
       P = m.shape[0]
-      pad = (-P) % n_dev
-      if pad:
-        m = np.concatenate([m, np.repeat(m[:1], pad, axis=0)], axis=0)
-      out = population_fn(params, jax.device_put(m, by_candidate), *inputs)
-      return np.asarray(out, np.float64)[:P]
+      size = P if candidate_batch is None else candidate_batch
+      size = -(-size // n_dev) * n_dev
+      n_calls = -(-P // size)
+      m = _chunks(m, size)                                                   # [calls, size, ...]
+      outs = [population_fn(params, jax.device_put(m[i], by_candidate), *inputs)
+              for i in range(n_calls)]                                       # dispatched async
+      return np.concatenate([np.asarray(o, np.float64) for o in outs])[:P]
 
     return fitness
 
@@ -258,16 +278,29 @@ def pad_batch(batch: FitnessBatch, prompt_len: int, *, pad_id: int = 0) -> Fitne
 
 
 def llama_fitness_fns(config: LlamaConfig) -> tuple[ForwardFn, GreedyFn]:
-  """(forward, greedy) of a Llama model: `generate.last_logits` and `generate.greedy_tokens`."""
-  return (functools.partial(generate.last_logits, config),
-          functools.partial(generate.greedy_tokens, config))
+  """(forward, greedy) of a Llama model: the logits at chosen positions of one plain causal
+  forward (`Llama` without mask or cache: the path that `attention_implementation=None` runs
+  on cuDNN), and `generate.greedy_tokens`."""
+  model = Llama(config)
+
+  def forward(params, tokens, multipliers, at):
+    _, state = model.apply({"params": params}, tokens, rope_multipliers=multipliers,
+                           logits_to_keep=1, mutable=["intermediates"])
+    hidden = state["intermediates"]["hidden_states"][-1]                      # [B, T, D] normed
+    hidden = jnp.take_along_axis(hidden, at[..., None], axis=1)               # [B, W, D]
+    head = (params["embed_tokens"]["embedding"].T if config.tie_word_embeddings
+            else params["lm_head"]["kernel"])                                 # [D, V]
+    return jnp.dot(hidden, head).astype(jnp.float32)
+
+  return forward, functools.partial(generate.greedy_tokens, config)
 
 
 def full_logits_forward(apply_fn) -> ForwardFn:
-  """ForwardFn from any `apply_fn(params, tokens, mask, multipliers) → logits [B, T, V]` (e.g.
-  the PoPE `pope_jax.model.Transformer`): computes all logits and keeps the last W."""
+  """ForwardFn from any causal `apply_fn(params, tokens, multipliers) → logits [B, T, V]` (e.g.
+  the PoPE `pope_jax.model.Transformer`): computes all logits and keeps those at `at`."""
 
-  def forward(params, tokens, mask, multipliers, window):
-    return apply_fn(params, tokens, mask, multipliers)[:, -window:].astype(jnp.float32)
+  def forward(params, tokens, multipliers, at):
+    logits = apply_fn(params, tokens, multipliers)
+    return jnp.take_along_axis(logits, at[..., None], axis=1).astype(jnp.float32)
 
   return forward

@@ -134,7 +134,7 @@ def test_fitness_counts_each_example_once(example_batch):
   # Three examples, all answered correctly, in chunks that need padding or not: the padding
   # rows (copies of the first example) must not count.
   batch = fitness.make_batch([[1, 2], [1, 3], [1, 4]], [[5], [5], [5]], [0, 1, 2])
-  forward = lambda p, t, m, mult, w: jax.nn.one_hot(jnp.full(t.shape[:1] + (w,), 5), 8)
+  forward = lambda p, t, mult, at: jax.nn.one_hot(jnp.full(at.shape, 5), 8)
   population_fitness = fitness.make_fitness_fn(None, batch, forward=forward,
                                                example_batch=example_batch)
   np.testing.assert_array_equal(population_fitness(np.ones((1, 2))), [[1.0, 1.0, 1.0]])
@@ -225,10 +225,10 @@ def test_pope_model_per_layer_multipliers():
   model = Transformer(cfg)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 32, (6, 10)), jnp.int32)
   params = model.init(jax.random.key(0), tokens)["params"]
-  apply = lambda p, t, m, mult: model.apply({"params": p}, t, rope_multipliers=mult)
-  base = apply(params, tokens, None, None)
-  np.testing.assert_allclose(apply(params, tokens, None, jnp.ones(3)), base, atol=1e-6)
-  assert not np.allclose(apply(params, tokens, None, jnp.array([1.0, 1.0, 0.5])), base, atol=1e-4)
+  apply = lambda p, t, mult: model.apply({"params": p}, t, rope_multipliers=mult)
+  base = apply(params, tokens, None)
+  np.testing.assert_allclose(apply(params, tokens, jnp.ones(3)), base, atol=1e-6)
+  assert not np.allclose(apply(params, tokens, jnp.array([1.0, 1.0, 0.5])), base, atol=1e-4)
   # The population fitness is model-agnostic: the PoPE apply through full_logits_forward.
   answers = [list(np.asarray(jnp.argmax(base[i, -1:], -1))) for i in range(6)]
   batch = fitness.make_batch([list(np.asarray(t[:-1])) for t in tokens], answers,
