@@ -18,13 +18,15 @@ Both ops take one vocabulary, `implementation=` one of IMPLEMENTATIONS or None, 
 A named implementation that cannot run the inputs raises NotImplementedError saying why; an
 unknown name raises ValueError; there is no silent fallback.
 
-cuDNN's constraints, as `jax.nn.dot_product_attention` and `jax._src.cudnn.fused_attention_stablehlo`
-(jax 0.11) check them: query, key and value of one dtype, bf16 or fp16; value of the key's shape
-(V == H: here v, or q and k, are zero-padded to one width, a multiple of 8, and the output sliced
-back); that width at most 128 before Hopper and 256 from sm90; a boolean mask becomes an additive
-bias of shape [B|1, 1, T, S] (full T and S), and a backward with a bias needs even T and S (here
-the backward pads a query row and a key that nothing sees); its causal mask is top-left aligned
-(used only where T == S). A fully masked row is not zero there: such rows are zeroed here.
+cuDNN's constraints, as `jax.nn.dot_product_attention` and
+`jax._src.cudnn.fused_attention_stablehlo` (jax 0.11) check them: query, key and value of one
+dtype, bf16 or fp16; value of the key's shape (V == H: here v, or q and k, are zero-padded to one
+width, a multiple of 8, and the output sliced back); that width at most 128 before Hopper and 256
+from sm90; sm103 needs cuDNN 9.11+. A boolean mask becomes an additive bias [B|1, 1, T, S] (full
+T and S), and a backward with a bias needs even T and S (here the backward pads a query row and a
+key that nothing sees). Its causal mask is top-left aligned, so it serves only T == S. A fully
+masked row is not zero there: such rows are zeroed here. Masked keys must hold finite values
+(unwritten `pope_jax.kv_cache` slots are zeros): unlike the reference, cuDNN gives them weight 0.
 
 Shape letters: B batch, T query length, S key length, N query heads, K kv heads (N % K == 0),
 H q/k head dim, V value head dim.
@@ -131,7 +133,7 @@ def _check_delta(delta: Array, q: Array) -> Array:
   return delta.astype(jnp.float32)
 
 
-class Masking(NamedTuple):
+class _Masking(NamedTuple):
   """Which keys each query sees, resolved once per call (`pope_jax.positions`).
 
   `default`: default positions, T == S, no key_mask and no segment ids, where the mask is
@@ -154,18 +156,18 @@ class Masking(NamedTuple):
 
 
 def _masking(query, key, *, is_causal, q_positions, k_positions, key_mask, q_segment_ids,
-             kv_segment_ids, local_window=None, keep_numpy=False) -> Masking:
-  """The call's `Masking`, checked (shapes, dtypes, int32 range) before any work."""
+             kv_segment_ids, local_window=None, keep_numpy=False) -> _Masking:
+  """The call's `_Masking`, checked (shapes, dtypes, int32 range) before any work."""
   b, t, s = query.shape[0], query.shape[1], key.shape[1]
   default = (q_positions is None and k_positions is None and key_mask is None
              and q_segment_ids is None and kv_segment_ids is None and t == s)
   q_pos, k_pos, key_mask = positions.resolve(b, t, s, q_positions, k_positions, key_mask,
                                              keep_numpy=keep_numpy)
   q_seg, kv_seg = positions.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s)
-  return Masking(is_causal, q_pos, k_pos, key_mask, q_seg, kv_seg, local_window, default)
+  return _Masking(is_causal, q_pos, k_pos, key_mask, q_seg, kv_seg, local_window, default)
 
 
-def _pope_cartesian_qk(q, k, delta, *, base, masking: Masking, multiplier):
+def _pope_cartesian_qk(q, k, delta, *, base, masking: _Masking, multiplier):
   """(q' [B, T, N, 2H], k' [B, S, K, 2H]) float32, PoPE's Cartesian maps (Eq. 7-10).
 
   δ enters the query phase with opposite sign: cos(sθ - (tθ - δ)) = cos((s - t)θ + δ), the same
@@ -218,7 +220,7 @@ def _pad_width(x: Array, width: int) -> Array:
       x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
 
 
-def _cudnn_attention(q, k, v, *, masking: Masking, scale: float) -> Array:
+def _cudnn_attention(q, k, v, *, masking: _Masking, scale: float) -> Array:
   """Softmax attention of mapped q [B, T, N, W], k [B, S, K, W] and v [B, S, K, V] through
   `jax.nn.dot_product_attention(implementation=CUDNN_BACKEND)`, masked as `masking` says.
 

@@ -141,8 +141,9 @@ class Transformer(nn.Module):
 
     Raises:
       ValueError: tokens not [B, T]; attention_mask, segment_ids or [B, T]-shaped positions of
-        another shape; segment_ids with a cache; bad multiplier shape; more new tokens than the cache's free slots (named; checked
-        against the written slots when the cache index is concrete, else the cache length).
+        another shape; segment_ids with a cache; bad multiplier shape; more new tokens than the
+        cache's free slots (named; checked against the written slots when the cache index is
+        concrete, else the cache length).
     """
     cfg = self.config
     if jnp.ndim(tokens) != 2:
