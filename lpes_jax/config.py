@@ -15,11 +15,11 @@ import numbers
 from typing import Any, Mapping
 
 from lpes_jax.rope_scaling import SUPPORTED_ROPE_TYPES, RopeScaling
+from pope_jax.attention import check_implementation
 from pope_jax.dtypes import canonical_dtype
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn", "pallas")  # `pope_jax.rope_attention`'s
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,11 +41,12 @@ class LlamaConfig:
     dtype: parameter and activation dtype, as JAX users write it (`jnp.bfloat16`,
       `np.dtype("float16")`, "bf16", ...); stored as its canonical name "float32", "bfloat16" or
       "float16". Norms, RoPE angles, softmax and logits are float32 regardless.
-    attention_implementation: `pope_jax.rope_attention`'s implementation, per call: "xla"
-      (reference, float32 scores), "cudnn" (NVIDIA GPUs: cuDNN flash attention; runs calls
-      without cache, padding, explicit positions or sliding window, i.e. plain prefill and
-      scoring, and raises NotImplementedError on the others), None (per call the first that
-      runs: cuDNN where it can, else "xla"); "pallas" has no RoPE kernel and raises.
+    attention_implementation: `pope_jax.rope_attention`'s implementation, per call: None (the
+      default: per call the best available, cuDNN flash attention on NVIDIA GPUs sm80+ in
+      bf16/fp16, else "xla"), "xla" (the bit-reproducible reference, float32 scores), "cudnn"
+      (cuDNN for every call, padded, cached and windowed included; NotImplementedError where it
+      cannot run, e.g. float32 or off NVIDIA GPUs) or "pallas" (no RoPE kernel: raises). Only
+      the name is checked here (`pope_jax.attention.check_implementation`).
     bos_token_id, eos_token_ids, pad_token_id: special ids from the checkpoint (may be None/empty).
   """
   model_type: str = "llama"
@@ -65,7 +66,7 @@ class LlamaConfig:
   o_bias: bool = False
   sliding_window: int | None = None
   dtype: str = "float32"
-  attention_implementation: str | None = "xla"
+  attention_implementation: str | None = None
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None
@@ -89,12 +90,7 @@ class LlamaConfig:
       raise ValueError(f"LlamaConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
     if not self.rope_theta > 1:
       raise ValueError(f"LlamaConfig.rope_theta must be > 1, got {self.rope_theta}")
-    if self.attention_implementation not in ATTENTION_IMPLEMENTATIONS:
-      raise ValueError(f"LlamaConfig.attention_implementation must be one of "
-                       f"{ATTENTION_IMPLEMENTATIONS}, got {self.attention_implementation!r}")
-    if self.attention_implementation == "cudnn" and self.dtype not in ("bfloat16", "float16"):
-      raise ValueError(f"LlamaConfig.attention_implementation='cudnn' needs dtype bfloat16 or "
-                       f"float16 (cuDNN flash attention), got dtype={self.dtype!r}")
+    check_implementation(self.attention_implementation, "LlamaConfig.attention_implementation")
     if self.sliding_window is not None and self.sliding_window <= 0:
       raise ValueError(f"LlamaConfig.sliding_window must be positive or None, got "
                        f"{self.sliding_window}")

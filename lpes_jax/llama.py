@@ -42,8 +42,9 @@ import numpy as np
 
 from lpes_jax.config import LlamaConfig
 from lpes_jax.rope_scaling import scaled_rope_frequencies
-from pope_jax import checks, encodings, rope_attention
-from pope_jax.positions import check_int32_range, empty_kv_cache, padded_positions
+from pope_jax import checks, encodings, kv_cache as kv_cache_lib, rope_attention
+from pope_jax.kv_cache import empty_kv_cache
+from pope_jax.positions import check_int32_range, padded_positions
 
 Array = jax.Array
 KVCache = dict[str, Any]
@@ -114,9 +115,8 @@ class Attention(nn.Module):
     k = dense(kh * h, cfg.qkv_bias, "k_proj")(x).reshape(b, t, kh, h)
     v = dense(kh * h, cfg.qkv_bias, "v_proj")(x).reshape(b, t, kh, h)
     if keys["k"] is not None:
-      start = (0, keys["index"], 0, 0)
-      k = jax.lax.dynamic_update_slice(keys["k"], k.astype(keys["k"].dtype), start)
-      v = jax.lax.dynamic_update_slice(keys["v"], v.astype(keys["v"].dtype), start)
+      k = kv_cache_lib.write_layer(keys["k"], k, keys["index"])
+      v = kv_cache_lib.write_layer(keys["v"], v, keys["index"])
     at = {} if keys["plain"] else dict(q_positions=positions, k_positions=keys["positions"],
                                        key_mask=keys["valid"])
     attend = functools.partial(
@@ -232,24 +232,8 @@ class Llama(nn.Module):
       keys = {"k": None, "v": None, "positions": positions, "valid": attention_mask,
               "index": 0, "plain": plain}
     else:
-      max_len = kv_cache["positions"].shape[1]
-      index = kv_cache["index"]
-      try:
-        free = max_len - int(index)      # Concrete index (eager calls): check the free slots.
-      except (TypeError, jax.errors.ConcretizationTypeError):
-        free = max_len                   # Traced index: only the cache length is static.
-      if t > free:
-        raise ValueError(f"{t} new tokens do not fit the KV cache: {free} of its {max_len} "
-                         f"slots are free")
-      if positions is None:
-        positions = padded_positions(attention_mask, jnp.sum(kv_cache["valid"], axis=-1))
-      keys = {
-          "positions": jax.lax.dynamic_update_slice(kv_cache["positions"],
-                                                    positions.astype(jnp.int32), (0, index)),
-          "valid": jax.lax.dynamic_update_slice(kv_cache["valid"], attention_mask, (0, index)),
-          "index": index,
-          "plain": False,
-      }
+      keys, positions = kv_cache_lib.write_slots(kv_cache, attention_mask, positions)
+      keys["plain"] = False
     positions = jnp.asarray(positions, jnp.int32)
     mult = encodings.layer_multipliers(rope_multipliers, cfg.num_layers, cfg.num_heads)
 

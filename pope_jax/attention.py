@@ -1,29 +1,47 @@
 """Attention with PoPE or RoPE, shaped like `jax.nn.dot_product_attention`.
 
 Public API: `pope_attention`, `rope_attention`, and the reference `dot_product_attention_reference`.
-Both ops take one vocabulary, `implementation=`:
+Both ops take one vocabulary, `implementation=` one of IMPLEMENTATIONS or None, checked by
+`check_implementation` (as every config holding a name is):
   "xla"     the reference (float32 math, materialised scores); runs everything.
+  "cudnn"   map q and k (RoPE: rotate them; PoPE: their 2H-wide Cartesian form, float32 angles,
+            cast back to the input dtype), then cuDNN flash attention through
+            `jax.nn.dot_product_attention`, forward and backward, on NVIDIA GPUs sm80+. Positions
+            and multipliers act in the map, so only the mask reaches cuDNN: its own causal mask
+            (and sliding window) where positions are the defaults with T == S and there is no
+            key_mask or segment ids, else the boolean mask of `pope_jax.positions`.
   "pallas"  PoPE only: the fused Mosaic GPU kernel in `pallas_kernels` (Hopper), imported lazily
-            so a CPU-only install imports fine.
-  "cudnn"   RoPE only: rotate q and k, then cuDNN flash attention through
-            `jax.nn.dot_product_attention` (NVIDIA GPUs sm80+, plain causal inputs).
-  None      the first of ORDER = ("pallas", "cudnn", "xla") that supports the inputs on this
-            platform (`_why_not`, the same check a named implementation runs).
+            so a CPU-only install imports fine; it takes `block_sizes`.
+  None      the first of ORDER = ("pallas", "cudnn", "xla") that runs the inputs on this
+            platform (`_pope_why_not` / `_rope_why_not`, the same check a named implementation
+            runs).
 A named implementation that cannot run the inputs raises NotImplementedError saying why; an
 unknown name raises ValueError; there is no silent fallback.
+
+cuDNN's constraints, as `jax.nn.dot_product_attention` and
+`jax._src.cudnn.fused_attention_stablehlo` (jax 0.11) check them: query, key and value of one
+dtype, bf16 or fp16; value of the key's shape (V == H: here v, or q and k, are zero-padded to one
+width, a multiple of 8, and the output sliced back); that width at most 128 before Hopper and 256
+from sm90; sm103 needs cuDNN 9.11+. A boolean mask becomes an additive bias [B|1, 1, T, S] (full
+T and S), and a backward with a bias needs even T and S (here the backward pads a query row and a
+key that nothing sees). Its causal mask is top-left aligned, so it serves only T == S. A fully
+masked row is not zero there: such rows are zeroed here. Masked keys must hold finite values
+(unwritten `pope_jax.kv_cache` slots are zeros): unlike the reference, cuDNN gives them weight 0.
 
 Shape letters: B batch, T query length, S key length, N query heads, K kv heads (N % K == 0),
 H q/k head dim, V value head dim.
 
 Positions, their defaults and masks are those of `pope_jax.positions` (causal by absolute
-position, queries bottom-right aligned by default), checked once per call. A query row with no
-visible key returns zeros (never NaN) and has finite gradients.
+position, queries bottom-right aligned by default, also for T > S, as FlashAttention), checked
+once per call. A query row with no visible key returns zeros (never NaN) and has finite
+gradients.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +50,19 @@ from pope_jax import checks, encodings, positions
 
 Array = jax.Array
 
+# The implementation vocabulary of every op and config (None: the best available, by ORDER).
+IMPLEMENTATIONS = ("xla", "cudnn", "pallas")
+# The order in which implementation=None tries the implementations (first that runs wins).
+ORDER = ("pallas", "cudnn", "xla")
 
+
+def check_implementation(implementation, argument: str = "implementation") -> None:
+  """Raises ValueError naming `argument` unless `implementation` is None or in IMPLEMENTATIONS.
+
+  Only the name is checked; whether it runs given inputs is the op's to decide, per call."""
+  if implementation is not None and implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"{argument} must be one of {IMPLEMENTATIONS} or None, got "
+                     f"{implementation!r}")
 def _check_qkv(q: Array, k: Array, v: Array) -> None:
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(
@@ -92,19 +122,6 @@ def _check_multiplier(multiplier, query: Array) -> None:
   encodings.check_finite_multipliers(multiplier, "multiplier")
 
 
-def _pope_xla(q, k, v, delta, *, base, is_causal, q_positions, k_positions, scale, multiplier,
-              key_mask):
-  mask = positions.attention_mask(q_positions, k_positions, is_causal=is_causal,
-                                  k_valid=key_mask)
-  # δ enters the query phase with opposite sign: cos(sθ - (tθ - δ)) = cos((s - t)θ + δ), the same
-  # score as the paper's key-side bias, and it lets every query head of a GQA group keep its own δ.
-  q_bias = None if delta is None else -encodings.clamp_phase_bias(delta)
-  qc = encodings.pope_cartesian(q, q_positions, base=base, phase=q_bias, multiplier=multiplier)
-  kmult = encodings.kv_head_multiplier(multiplier, q.shape[2], k.shape[2])
-  kc = encodings.pope_cartesian(k, k_positions, base=base, multiplier=kmult)
-  return dot_product_attention_reference(qc, kc, v, scale=scale, mask=mask)
-
-
 def _check_delta(delta: Array, q: Array) -> Array:
   delta = jnp.asarray(delta)
   if delta.shape != q.shape[2:]:
@@ -116,20 +133,148 @@ def _check_delta(delta: Array, q: Array) -> Array:
   return delta.astype(jnp.float32)
 
 
-def _pope_pallas(q, k, v, delta, *, base, is_causal, q_positions, k_positions, scale, multiplier,
-                 key_mask):
-  del multiplier, key_mask  # None: `_pope_why_not` refuses them.
+class _Masking(NamedTuple):
+  """Which keys each query sees, resolved once per call (`pope_jax.positions`).
+
+  `default`: default positions, T == S, no key_mask and no segment ids, where the mask is
+  cuDNN's (and a kernel's) own causal mask."""
+  is_causal: bool
+  q_positions: Array
+  k_positions: Array
+  key_mask: Array | None
+  q_segment_ids: Array | None
+  kv_segment_ids: Array | None
+  local_window: int | None
+  default: bool
+
+  def dense(self) -> Array | None:
+    """The boolean mask (`positions.attention_mask`), or None when every key is visible."""
+    return positions.attention_mask(
+        jnp.asarray(self.q_positions), jnp.asarray(self.k_positions), is_causal=self.is_causal,
+        k_valid=self.key_mask, local_window=self.local_window,
+        q_segment_ids=self.q_segment_ids, kv_segment_ids=self.kv_segment_ids)
+
+
+def _masking(query, key, *, is_causal, q_positions, k_positions, key_mask, q_segment_ids,
+             kv_segment_ids, local_window=None, keep_numpy=False) -> _Masking:
+  """The call's `_Masking`, checked (shapes, dtypes, int32 range) before any work."""
+  b, t, s = query.shape[0], query.shape[1], key.shape[1]
+  default = (q_positions is None and k_positions is None and key_mask is None
+             and q_segment_ids is None and kv_segment_ids is None and t == s)
+  q_pos, k_pos, key_mask = positions.resolve(b, t, s, q_positions, k_positions, key_mask,
+                                             keep_numpy=keep_numpy)
+  q_seg, kv_seg = positions.check_segment_ids(q_segment_ids, kv_segment_ids, b, t, s)
+  return _Masking(is_causal, q_pos, k_pos, key_mask, q_seg, kv_seg, local_window, default)
+
+
+def _pope_cartesian_qk(q, k, delta, *, base, masking: _Masking, multiplier):
+  """(q' [B, T, N, 2H], k' [B, S, K, 2H]) float32, PoPE's Cartesian maps (Eq. 7-10).
+
+  δ enters the query phase with opposite sign: cos(sθ - (tθ - δ)) = cos((s - t)θ + δ), the same
+  score as the paper's key-side bias, and it lets every query head of a GQA group keep its own
+  δ."""
+  q_bias = None if delta is None else -encodings.clamp_phase_bias(delta)
+  qc = encodings.pope_cartesian(q, masking.q_positions, base=base, phase=q_bias,
+                                multiplier=multiplier)
+  kmult = encodings.kv_head_multiplier(multiplier, q.shape[2], k.shape[2])
+  kc = encodings.pope_cartesian(k, masking.k_positions, base=base, multiplier=kmult)
+  return qc, kc
+
+
+def _pope_xla(q, k, v, delta, *, base, masking, scale, multiplier, block_sizes):
+  del block_sizes  # None (`_check_block_sizes`).
+  qc, kc = _pope_cartesian_qk(q, k, delta, base=base, masking=masking, multiplier=multiplier)
+  return dot_product_attention_reference(qc, kc, v, scale=scale, mask=masking.dense())
+
+
+def _pope_cudnn(q, k, v, delta, *, base, masking, scale, multiplier, block_sizes):
+  del block_sizes  # None (`_check_block_sizes`).
+  qc, kc = _pope_cartesian_qk(q, k, delta, base=base, masking=masking, multiplier=multiplier)
+  return _cudnn_attention(qc.astype(q.dtype), kc.astype(q.dtype), v, masking=masking,
+                          scale=scale)
+
+
+def _pope_pallas(q, k, v, delta, *, base, masking, scale, multiplier, block_sizes):
+  del multiplier  # None: `_pope_why_not` refuses it, and key_mask and segment ids.
   from pallas_kernels import pope_attention as kernel  # Lazy: GPU-only dependency chain.
   with jax.ensure_compile_time_eval():  # concrete θ: the kernel's tables stay trace-time constants
     freqs = encodings.pope_frequencies(q.shape[-1], base)
   return kernel.pope_attention(
       q, k, v, None if delta is None else encodings.clamp_phase_bias(delta), frequencies=freqs,
-      is_causal=is_causal, q_positions=q_positions, k_positions=k_positions, scale=scale,
+      is_causal=masking.is_causal, q_positions=masking.q_positions,
+      k_positions=masking.k_positions, scale=scale, block_sizes=block_sizes,
       cartesian_map=encodings.polar_to_cartesian)
 
 
-# The order in which implementation=None tries the implementations (first that runs wins).
-ORDER = ("pallas", "cudnn", "xla")
+# `jax.nn.dot_product_attention` backend of implementation="cudnn" (tests swap in "xla" on CPU).
+CUDNN_BACKEND = "cudnn"
+
+
+def _cudnn_width(qk_width: int, value_width: int) -> int:
+  """The one head width cuDNN sees: max(q/k, value) rounded up to a multiple of 8."""
+  return -(-max(qk_width, value_width) // 8) * 8
+
+
+def _pad_width(x: Array, width: int) -> Array:
+  return x if x.shape[-1] == width else jnp.pad(
+      x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+
+
+def _cudnn_attention(q, k, v, *, masking: _Masking, scale: float) -> Array:
+  """Softmax attention of mapped q [B, T, N, W], k [B, S, K, W] and v [B, S, K, V] through
+  `jax.nn.dot_product_attention(implementation=CUDNN_BACKEND)`, masked as `masking` says.
+
+  Returns [B, T, N, V] in q's dtype, zero rows where no key is visible."""
+  t, s, vd = q.shape[1], k.shape[1], v.shape[-1]
+  width = _cudnn_width(q.shape[-1], vd)
+  q, k, v = (_pad_width(x, width) for x in (q, k, v))  # zeros change no score, no output column
+  if masking.default and (masking.is_causal or masking.local_window is None):
+    # Default positions with T == S: cuDNN's top-left causal mask and window are exact.
+    window = None if masking.local_window is None else (masking.local_window - 1, 0)
+    out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=masking.is_causal,
+                                       local_window_size=window, implementation=CUDNN_BACKEND)
+  elif (mask := masking.dense()) is None:
+    out = jax.nn.dot_product_attention(q, k, v, scale=scale, implementation=CUDNN_BACKEND)
+  else:
+    mask = jnp.broadcast_to(mask, (mask.shape[0], t, s))                      # [B|1, T, S]
+    out = _cudnn_masked(q, k, v, mask[:, None], scale)
+    out = jnp.where(jnp.any(mask, axis=-1)[:, :, None, None], out, 0)
+  return out[..., :vd]
+
+
+def _cudnn_call(q, k, v, mask, scale):
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale,
+                                      implementation=CUDNN_BACKEND)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _cudnn_masked(q, k, v, mask, scale):
+  """cuDNN attention with a boolean mask [B|1, 1, T, S]; differentiable at any T and S."""
+  return _cudnn_call(q, k, v, mask, scale)
+
+
+def _cudnn_even(q, k, v, mask, scale):
+  """`_cudnn_call` at even T and S (cuDNN's backward with a bias needs them): a query row and a
+  key that nothing sees are padded on where T or S is odd, the row sliced off."""
+  pt, ps = q.shape[1] % 2, k.shape[1] % 2
+  if pt or ps:
+    pad = lambda x, n: jnp.pad(x, ((0, 0), (0, n), (0, 0), (0, 0)))
+    q, k, v = pad(q, pt), pad(k, ps), pad(v, ps)
+    mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pt), (0, ps)))
+  return _cudnn_call(q, k, v, mask, scale)[:, :q.shape[1] - pt]
+
+
+def _cudnn_masked_fwd(q, k, v, mask, scale):
+  out, vjp = jax.vjp(lambda q, k, v: _cudnn_even(q, k, v, mask, scale), q, k, v)
+  return out, vjp
+
+
+def _cudnn_masked_bwd(scale, vjp, d_out):
+  del scale
+  return (*vjp(d_out), None)
+
+
+_cudnn_masked.defvjp(_cudnn_masked_fwd, _cudnn_masked_bwd)
 
 
 def _gpu_capability() -> tuple[str, int]:
@@ -142,48 +287,71 @@ def _gpu_capability() -> tuple[str, int]:
   return device.platform, major
 
 
-def _pope_why_not(implementation, q, k, v, *, multiplier, key_mask, **_) -> str | None:
+def _cudnn_why_not(q, k, v, *, qk_width: int) -> str | None:
+  """Why cuDNN flash attention cannot run mapped q, k (`qk_width` wide) with v here, or None."""
+  platform, major = _gpu_capability()
+  if platform != "gpu" or major < 8:
+    return f"cuDNN flash attention needs an NVIDIA GPU of sm80 or newer, not {platform!r}"
+  dtypes = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  if not (jnp.dtype(q.dtype) in dtypes and k.dtype == q.dtype and v.dtype == q.dtype):
+    return (f"cuDNN flash attention takes one bf16/fp16 dtype for query, key and value; got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}")
+  width, limit = _cudnn_width(qk_width, v.shape[-1]), 256 if major >= 9 else 128
+  if width > limit:
+    return (f"cuDNN flash attention takes head widths up to {limit} on sm{major}x (256 from "
+            f"sm90); here q/k are {qk_width} and value {v.shape[-1]} wide")
+  return None
+
+
+def _pope_why_not(implementation, q, k, v, *, multiplier, key_mask, segment_ids) -> str | None:
   """Why PoPE `implementation` cannot run these inputs here, or None if it can."""
   if implementation == "cudnn":
-    return "cuDNN has no PoPE score; use implementation='pallas' (Hopper GPUs) or 'xla'"
+    return _cudnn_why_not(q, k, v, qk_width=2 * q.shape[-1])
   if implementation == "pallas":
-    if multiplier is not None or key_mask is not None:
-      return "the pallas kernel takes neither a frequency multiplier nor a key_mask yet"
+    if multiplier is not None or key_mask is not None or segment_ids:
+      return ("the pallas kernel takes no frequency multiplier, key_mask or segment ids yet; "
+              "use implementation='cudnn' or 'xla'")
     from pallas_kernels import pope_attention as kernel  # Lazy: GPU-only dependency chain.
     return kernel.unsupported_reason(q, k, v) or kernel.platform_reason()
   return None
 
 
-def _rope_why_not(implementation, q, k, v, *, plain, local_window, **_) -> str | None:
+def _rope_why_not(implementation, q, k, v) -> str | None:
   """Why RoPE `implementation` cannot run these inputs here, or None if it can."""
   if implementation == "pallas":
     return "there is no RoPE kernel in pallas_kernels; use implementation='cudnn' or 'xla'"
   if implementation == "cudnn":
-    platform, major = _gpu_capability()
-    if platform != "gpu" or major < 8:
-      return f"cuDNN flash attention needs an NVIDIA GPU of sm80 or newer, not {platform!r}"
-    if not (plain and local_window is None and _cudnn_supports(q, k, v)):
-      return ("cuDNN needs default positions, T == S, no key_mask or local_window and one "
-              "bf16/fp16 dtype for query, key and value with V == H <= 128 (H % 8 == 0); got "
-              f"query {q.dtype} {q.shape}, key {k.dtype} {k.shape}, value {v.dtype} {v.shape}")
+    return _cudnn_why_not(q, k, v, qk_width=q.shape[-1])
   return None
 
 
 def _choose(op: str, implementation, why_not, *args, **kw) -> str:
   """The implementation to run: the named one if it can (else NotImplementedError with the
   reason), or with None the first of ORDER that can."""
+  check_implementation(implementation, f"{op} implementation")
   if implementation is None:
     return next(name for name in ORDER if why_not(name, *args, **kw) is None)
-  if implementation not in ORDER:
-    raise ValueError(f"{op} implementation must be one of {ORDER} or None, got "
-                     f"{implementation!r}")
   reason = why_not(implementation, *args, **kw)
   if reason is not None:
     raise NotImplementedError(f"{op} implementation={implementation!r}: {reason}")
   return implementation
 
 
-POPE_IMPLEMENTATIONS: dict[str, Callable[..., Array]] = {"xla": _pope_xla, "pallas": _pope_pallas}
+def _check_block_sizes(block_sizes, implementation) -> None:
+  """Raises ValueError unless block_sizes is None, or a `BlockSizes` with "pallas" named."""
+  if block_sizes is None:
+    return
+  if implementation != "pallas":
+    raise ValueError(f"block_sizes configures implementation='pallas' only; got "
+                     f"implementation={implementation!r}")
+  from pallas_kernels.pope_attention_config import BlockSizes  # imports only jax
+  if not isinstance(block_sizes, BlockSizes):
+    raise ValueError(f"block_sizes must be a pallas_kernels.pope_attention_config.BlockSizes, "
+                     f"got {type(block_sizes).__name__}")
+
+
+POPE_IMPLEMENTATIONS: dict[str, Callable[..., Array]] = {
+    "xla": _pope_xla, "cudnn": _pope_cudnn, "pallas": _pope_pallas}
 
 
 def pope_attention(
@@ -199,7 +367,10 @@ def pope_attention(
     scale: float | None = None,
     multiplier: Array | float | None = None,
     key_mask: Array | None = None,
+    q_segment_ids: Array | None = None,
+    kv_segment_ids: Array | None = None,
     implementation: str | None = None,
+    block_sizes=None,
 ) -> Array:
   """PoPE attention: a_ts = Σ_c softplus(q_tc) softplus(k_sc) cos((s - t)θ_c + δ_c) (PoPE Eq. 5/6).
 
@@ -210,7 +381,10 @@ def pope_attention(
     delta: None (no phase bias) or [N, H] float phase bias δ, clamped to [-2π, 0]; one row per
       query head, also under GQA.
     base: frequency base, θ_c = base^(-(c-1)/H).
-    is_causal: causal mask by absolute position (`pope_jax.positions`).
+    is_causal: causal mask by absolute position (`pope_jax.positions`): key s visible to query t
+      iff k_pos[s] <= q_pos[t]. With the default positions the queries are bottom-right aligned
+      (S - T + arange(T)), as in FlashAttention: for T > S the first T - S rows see no key and
+      are zero.
     q_positions, k_positions: [T] / [S] or [B, T] / [B, S] int; defaults in `pope_jax.positions`.
       For implementation="pallas", concrete positions (the defaults, numpy arrays, int lists,
       jax arrays closed over by the caller's jit) give the kernel's position tables at trace
@@ -219,29 +393,36 @@ def pope_attention(
     multiplier: None, scalar or [N] frequency multiplier (per-layer scaling, PI); under GQA the
       query heads of a group must share one value (see `encodings.kv_head_multiplier`).
     key_mask: None or [B, S] bool, False for padding keys (left-padded batches).
-    implementation: None, "xla" or "pallas" (see the module docstring; "cudnn" raises).
+    q_segment_ids, kv_segment_ids: None, or both, [B, T] and [B, S] int (packed documents; the
+      same array twice for self-attention): query t sees key s only if their ids are equal (and,
+      with is_causal, k_pos[s] <= q_pos[t]).
+    implementation: None or one of IMPLEMENTATIONS (see the module docstring).
+    block_sizes: None (the tuned defaults) or a `pallas_kernels.pope_attention_config.BlockSizes`,
+      with implementation="pallas" only.
 
   Returns:
     [B, T, N, V] in the query's dtype.
 
   Raises:
-    ValueError: mismatched shapes or positions, unknown implementation; concrete δ not finite,
-    multipliers not finite and > 0, or int64 positions outside int32 (traced values are not
-    checked). NotImplementedError: a named implementation that cannot run these inputs (never a
-    silent fallback).
+    ValueError: mismatched shapes, positions or segment ids, unknown implementation, block_sizes
+    without implementation="pallas"; concrete δ not finite, multipliers not finite and > 0, or
+    int64 positions outside int32 (traced values are not checked). NotImplementedError: a named
+    implementation that cannot run these inputs (never a silent fallback).
   """
   _check_qkv(query, key, value)
   _check_multiplier(multiplier, query)
   delta = None if delta is None else _check_delta(delta, query)
+  _check_block_sizes(block_sizes, implementation)
   implementation = _choose("pope_attention", implementation, _pope_why_not, query, key, value,
-                           multiplier=multiplier, key_mask=key_mask)
-  q_pos, k_pos, key_mask = positions.resolve(
-      query.shape[0], query.shape[1], key.shape[1], q_positions, k_positions, key_mask,
-      keep_numpy=implementation == "pallas")
+                           multiplier=multiplier, key_mask=key_mask,
+                           segment_ids=q_segment_ids is not None or kv_segment_ids is not None)
+  masking = _masking(query, key, is_causal=is_causal, q_positions=q_positions,
+                     k_positions=k_positions, key_mask=key_mask, q_segment_ids=q_segment_ids,
+                     kv_segment_ids=kv_segment_ids, keep_numpy=implementation == "pallas")
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
   out = POPE_IMPLEMENTATIONS[implementation](
-      query, key, value, delta, base=base, is_causal=is_causal, q_positions=q_pos,
-      k_positions=k_pos, scale=scale, multiplier=multiplier, key_mask=key_mask)
+      query, key, value, delta, base=base, masking=masking, scale=scale, multiplier=multiplier,
+      block_sizes=block_sizes)
   return out.astype(query.dtype)
 
 
@@ -259,61 +440,50 @@ def rope_attention(
     layout: encodings.RopeLayout = "half",
     frequencies: Array | None = None,
     key_mask: Array | None = None,
+    q_segment_ids: Array | None = None,
+    kv_segment_ids: Array | None = None,
     local_window: int | None = None,
     implementation: str | None = None,
 ) -> Array:
   """RoPE attention (RoFormer Eq. 16): rotate q and k by position·θ, then softmax attention.
 
   Serves the Llama family: per-row positions, left-padding key_mask, pre-computed (scaled)
-  frequencies, per-head multipliers, GQA, T < S (KV cache) and a sliding window.
+  frequencies, per-head multipliers, GQA, T < S (KV cache), packed documents and a sliding
+  window.
 
   Args:
     query: [B, T, N, H]; key: [B, S, K, H] un-rotated; value: [B, S, K, V]; H even, N % K == 0.
     base, multiplier, layout, frequencies: see `encodings.apply_rope`.
-    is_causal, q_positions, k_positions, scale, key_mask: as in `pope_attention` (scale default
-      1/sqrt(H)).
+    is_causal, q_positions, k_positions, scale, key_mask, q_segment_ids, kv_segment_ids: as in
+      `pope_attention` (scale default 1/sqrt(H); default positions bottom-right aligned, also
+      for T > S).
     local_window: None, or W: query t sees only keys with q_pos[t] - k_pos[s] < W (Mistral /
       Qwen2 `sliding_window`; `pope_jax.positions.attention_mask`).
     implementation: None, "xla" or "cudnn" (see the module docstring; "pallas" raises). "cudnn"
-      runs default positions with T == S, no key_mask or local_window, one bf16/fp16 dtype and
-      V == H <= 128, on NVIDIA GPUs sm80+ (cuDNN's own top-left causal mask is exact there).
+      rotates first, so positions and multipliers never reach cuDNN; any mask does.
 
   Returns:
     [B, T, N, V] in the query's dtype.
 
   Raises:
-    ValueError: mismatched shapes, odd head dim, bad local_window or unknown implementation;
-    concrete multipliers not finite and > 0, or int64 positions outside int32.
-    NotImplementedError: a named implementation that cannot run these inputs, saying why.
+    ValueError: mismatched shapes, positions or segment ids, odd head dim, bad local_window or
+    unknown implementation; concrete multipliers not finite and > 0, or int64 positions outside
+    int32. NotImplementedError: a named implementation that cannot run these inputs, saying why.
   """
   _check_qkv(query, key, value)
   _check_multiplier(multiplier, query)
   positions.check_local_window(local_window)
-  plain = (q_positions is None and k_positions is None and key_mask is None
-           and query.shape[1] == key.shape[1])
-  implementation = _choose("rope_attention", implementation, _rope_why_not, query, key, value,
-                           plain=plain, local_window=local_window)
-  q_pos, k_pos, key_mask = positions.resolve(
-      query.shape[0], query.shape[1], key.shape[1], q_positions, k_positions, key_mask)
+  implementation = _choose("rope_attention", implementation, _rope_why_not, query, key, value)
+  masking = _masking(query, key, is_causal=is_causal, q_positions=q_positions,
+                     k_positions=k_positions, key_mask=key_mask, q_segment_ids=q_segment_ids,
+                     kv_segment_ids=kv_segment_ids, local_window=local_window)
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
   rope = dict(base=base, layout=layout, frequencies=frequencies)
-  qr = encodings.apply_rope(query, q_pos, multiplier=multiplier, **rope)
+  qr = encodings.apply_rope(query, masking.q_positions, multiplier=multiplier, **rope)
   kmult = encodings.kv_head_multiplier(multiplier, query.shape[2], key.shape[2])
-  kr = encodings.apply_rope(key, k_pos, multiplier=kmult, **rope)
+  kr = encodings.apply_rope(key, masking.k_positions, multiplier=kmult, **rope)
   if implementation == "cudnn":
-    return jax.nn.dot_product_attention(qr, kr, value, scale=scale, is_causal=is_causal,
-                                        implementation=CUDNN_BACKEND)
-  mask = positions.attention_mask(q_pos, k_pos, is_causal=is_causal, k_valid=key_mask,
-                                  local_window=local_window)
-  return dot_product_attention_reference(qr, kr, value, scale=scale, mask=mask
-                                         ).astype(query.dtype)
-
-
-# `jax.nn.dot_product_attention` backend of implementation="cudnn" (tests swap in "xla" on CPU).
-CUDNN_BACKEND = "cudnn"
-
-
-def _cudnn_supports(q: Array, k: Array, v: Array) -> bool:
-  """Whether cuDNN flash attention takes these operands (one bf16/fp16 dtype, V == H <= 128)."""
-  return (q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and v.dtype == q.dtype
-          and q.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128)
+    out = _cudnn_attention(qr, kr, value, masking=masking, scale=scale)
+  else:
+    out = dot_product_attention_reference(qr, kr, value, scale=scale, mask=masking.dense())
+  return out.astype(query.dtype)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Sequence
 
+from pope_jax.attention import check_implementation
 from pope_jax.dtypes import canonical_dtype
 
 PosEncoding = Literal["rope", "pope", "none"]
@@ -64,9 +65,11 @@ class ModelConfig:
       multiplies in `dtype` either way, so "compute" loses nothing; it only skips the float32
       copy of the [B, T, V] logits (3.3 GB for GPT-2-124M at 16 × 1024 tokens). Take the loss
       with `pope_jax.train.cross_entropy_with_integer_labels`, which upcasts inside.
-    attention_implementation: None (best available: the Pallas kernel for PoPE on Hopper, cuDNN
-      for RoPE on NVIDIA GPUs, else the XLA reference), "xla" (the reference for every encoding)
-      or "pallas" (the fused PoPE kernel; RoPE then takes its best available path).
+    attention_implementation: None (per call the best available: for PoPE the Pallas kernel on
+      Hopper, else cuDNN on NVIDIA GPUs sm80+, else the XLA reference; for RoPE cuDNN, else the
+      reference) or one of `pope_jax.attention.IMPLEMENTATIONS` ("xla", "cudnn", "pallas"),
+      passed to every attention call as it is: a call it cannot run raises NotImplementedError
+      saying why (e.g. "pallas" with RoPE). Only the name is checked here.
     rope_layout: "half" (Hugging Face) or "interleaved".
     rope_yarn: None, or YaRN frequency interpolation and attention temperature (RoPE only).
     init_std: None keeps Flax's default initialisers (LeCun-normal projections, embedding std
@@ -106,9 +109,7 @@ class ModelConfig:
     for name in ("rope_base", "pope_base"):
       if not getattr(self, name) > 1.0:
         raise ValueError(f"ModelConfig.{name} must be > 1, got {getattr(self, name)!r}")
-    if self.attention_implementation not in (None, "xla", "pallas"):
-      raise ValueError(f"ModelConfig.attention_implementation must be None, 'xla' or 'pallas', "
-                       f"got {self.attention_implementation!r}")
+    check_implementation(self.attention_implementation, "ModelConfig.attention_implementation")
     if self.pos_encoding not in POS_ENCODINGS:
       raise ValueError(
           f"ModelConfig.pos_encoding must be one of {POS_ENCODINGS}, got {self.pos_encoding!r}")

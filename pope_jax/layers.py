@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pope_jax import attention, encodings, positions as positions_lib
+from pope_jax import attention, encodings, kv_cache, positions as positions_lib
 from pope_jax.dtypes import as_jnp_dtype, canonical_dtype
 
 Array = jax.Array
@@ -30,8 +30,10 @@ class PositionalAttention(nn.Module):
     rope_layout: "half" or "interleaved".
     rope_yarn: None or a `config.YarnConfig`: RoPE uses YaRN frequencies and the logits are
       scaled by attention_factor² (q and k each by the factor, once).
-    attention_implementation: None (best available), "xla" (reference attention for every
-      encoding) or "pallas" (PoPE's fused kernel; RoPE takes its best available path).
+    attention_implementation: None (best available) or one of `attention.IMPLEMENTATIONS`,
+      passed to `pope_attention` / `rope_attention` as it is: a named implementation that cannot
+      run a call raises NotImplementedError saying why. pos_encoding "none" always runs the
+      reference.
     dtype: compute dtype as JAX users write it (`jnp.bfloat16`, `np.dtype("float32")`, "bf16",
       ...; `pope_jax.dtypes.canonical_dtype`).
     kernel_init, out_kernel_init: initialisers of the q/k/v and output projections (default:
@@ -54,7 +56,7 @@ class PositionalAttention(nn.Module):
   @nn.compact
   def __call__(self, x: Array, *, positions: Array | None = None,
                multiplier: Array | None = None, key_mask: Array | None = None,
-               cache: dict[str, Array] | None = None):
+               segment_ids: Array | None = None, cache: dict[str, Array] | None = None):
     """Causal self-attention, optionally over a KV cache.
 
     Args:
@@ -62,6 +64,8 @@ class PositionalAttention(nn.Module):
       positions: [T] or [B, T] int (default arange(T)); [B, T] with a cache.
       multiplier: None, scalar or [N] frequency multiplier for RoPE/PoPE (PI, LPES).
       key_mask: None or [B, T] bool, False for (left) padding tokens (no cache).
+      segment_ids: None or [B, T] int: packed documents, a token sees only its own segment's
+        tokens (no cache).
       cache: None, or this layer's view of a KV cache (`pope_jax.model.init_cache`): "k", "v"
         [B, S, K, H] raw projections of the tokens so far; "positions" [B, S] int32 and "valid"
         [B, S] bool, already holding the T new tokens; "index" [] int32, their first slot.
@@ -71,6 +75,10 @@ class PositionalAttention(nn.Module):
       new ones written at index..index+T-1.
     """
     n, kh, h = self.num_heads, self.num_kv_heads, self.head_dim
+    attention.check_implementation(self.attention_implementation,
+                                   "PositionalAttention.attention_implementation")
+    if segment_ids is not None and cache is not None:
+      raise ValueError("segment_ids (packed documents) cannot be combined with a KV cache")
     dtype = as_jnp_dtype(canonical_dtype(self.dtype, argument="PositionalAttention.dtype"))
     dense = lambda heads, name: nn.DenseGeneral(
         (heads, h), use_bias=False, dtype=dtype, name=name, kernel_init=self.kernel_init)
@@ -78,14 +86,15 @@ class PositionalAttention(nn.Module):
     # Default positions stay None so the attention ops can use a fused kernel's own causal mask.
     k_positions = positions
     if cache is not None:
-      start = (0, cache["index"], 0, 0)
-      k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), start)
-      v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), start)
+      k = kv_cache.write_layer(cache["k"], k, cache["index"])
+      v = kv_cache.write_layer(cache["v"], v, cache["index"])
       k_positions, key_mask = cache["positions"], cache["valid"]        # [B, S]
     common = dict(is_causal=True, q_positions=positions, k_positions=k_positions,
                   multiplier=multiplier)
     if key_mask is not None:
       common["key_mask"] = key_mask
+    if segment_ids is not None:
+      common.update(q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
     ka, va = k.astype(dtype), v.astype(dtype)
     if self.pos_encoding == "pope":
       delta = self.param("delta", lambda key, shape: encodings.init_phase_bias(
@@ -102,12 +111,13 @@ class PositionalAttention(nn.Module):
             yarn.factor, yarn.attention_factor) ** 2 / math.sqrt(h)
       out = attention.rope_attention(
           q, ka, va, base=self.rope_base, layout=self.rope_layout, **rope, **common,
-          implementation="xla" if self.attention_implementation == "xla" else None)
+          implementation=self.attention_implementation)
     elif self.pos_encoding == "none":
       q_pos = jnp.arange(x.shape[1], dtype=jnp.int32) if positions is None else positions
       k_pos = q_pos if k_positions is None else k_positions
       mask = positions_lib.attention_mask(jnp.asarray(q_pos), jnp.asarray(k_pos),
-                                          is_causal=True, k_valid=key_mask)
+                                          is_causal=True, k_valid=key_mask,
+                                          q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
       out = attention.dot_product_attention_reference(
           q, ka, va, scale=h ** -0.5, mask=mask).astype(dtype)
     else:

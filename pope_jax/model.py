@@ -37,8 +37,9 @@ import jax.numpy as jnp
 from pope_jax import checks
 from pope_jax.config import ModelConfig
 from pope_jax.encodings import layer_multipliers
+from pope_jax.kv_cache import empty_kv_cache, write_slots
 from pope_jax.layers import PositionalAttention
-from pope_jax.positions import empty_kv_cache, padded_positions
+from pope_jax.positions import padded_positions
 
 Array = jax.Array
 Cache = dict[str, Any]
@@ -81,7 +82,8 @@ class Block(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, *, positions, multiplier, deterministic, key_mask=None, cache=None):
+  def __call__(self, x, *, positions, multiplier, deterministic, key_mask=None, segment_ids=None,
+               cache=None):
     """x [B, T, D] -> [B, T, D]; with a layer cache (see `PositionalAttention`), (x, (k, v))."""
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
@@ -93,7 +95,8 @@ class Block(nn.Module):
         delta_init=cfg.delta_init, rope_layout=cfg.rope_layout, rope_yarn=cfg.rope_yarn,
         attention_implementation=cfg.attention_implementation, dtype=dtype, name="attn",
         kernel_init=kernel_init, out_kernel_init=residual_init,
-    )(h, positions=positions, multiplier=multiplier, key_mask=key_mask, cache=cache)
+    )(h, positions=positions, multiplier=multiplier, key_mask=key_mask, segment_ids=segment_ids,
+      cache=cache)
     if cache is not None:
       h, kv = h
     x = x + nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
@@ -112,7 +115,7 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens: Array, *, positions: Array | None = None,
-               attention_mask: Array | None = None,
+               attention_mask: Array | None = None, segment_ids: Array | None = None,
                rope_multipliers: Array | float | None = None,
                cache: Cache | None = None, logits_to_keep: int | None = None,
                deterministic: bool = True):
@@ -123,6 +126,9 @@ class Transformer(nn.Module):
       positions: [T] or [B, T] int; default arange(T), or with a mask or a cache
         `padded_positions(attention_mask, tokens already in the cache)`.
       attention_mask: None or [B, T] bool, False for (left) padding.
+      segment_ids: None or [B, T] int, packed documents: a token attends only to the tokens of
+        its own segment (causally, by position). Pass each document's positions (restarting at
+        0) in `positions`. Not with a cache.
       rope_multipliers: None, [], [L] or [L, N] frequency multipliers (see `layer_multipliers`),
         applied to RoPE or PoPE frequencies; an input, not a parameter, so it can be vmapped.
       cache: None, or a cache from `init_cache`: the T new tokens are written at slots
@@ -135,10 +141,11 @@ class Transformer(nn.Module):
       `logits_dtype="compute"`); with a cache, (logits, new cache).
 
     Raises:
-      ValueError: tokens not [B, T]; attention_mask or [B, T]-shaped positions of another
-        shape; bad multiplier shape; more new tokens than the cache's free slots (named; checked
-        against the written slots when the cache index is concrete, else the cache length);
-        concrete token ids outside [0, V), named with their index.
+      ValueError: tokens not [B, T]; attention_mask, segment_ids or [B, T]-shaped positions of
+        another shape; segment_ids with a cache; bad multiplier shape; more new tokens than the
+        cache's free slots (named; checked against the written slots when the cache index is
+        concrete, else the cache length); concrete token ids outside [0, V), named with their
+        index.
       TypeError: tokens that are not integers (e.g. a string prompt).
     """
     cfg = self.config
@@ -150,6 +157,9 @@ class Transformer(nn.Module):
     if attention_mask is not None and jnp.shape(attention_mask) != (b, t):
       raise ValueError(f"attention_mask must have the tokens' shape {(b, t)}, got "
                        f"{jnp.shape(attention_mask)}")
+    if segment_ids is not None and (cache is not None or jnp.shape(segment_ids) != (b, t)):
+      raise ValueError(f"segment_ids must be [B, T] = {(b, t)} int, without a cache; got shape "
+                       f"{jnp.shape(segment_ids)}" + (" with a cache" if cache is not None else ""))
     key_mask, keys = None, None
     if attention_mask is not None or cache is not None:
       mask = jnp.ones((b, t), bool) if attention_mask is None else jnp.asarray(
@@ -158,7 +168,7 @@ class Transformer(nn.Module):
         key_mask = mask
         positions = padded_positions(mask) if positions is None else positions
       else:
-        keys, positions = _write_slots(cache, mask, positions, t)
+        keys, positions = write_slots(cache, mask, positions)
       positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (b, t))
     embed_init, kernel_init, _ = initializers(cfg)
     # dtype: the tied head (`attend`) multiplies in the compute dtype, like the untied one.
@@ -172,7 +182,8 @@ class Transformer(nn.Module):
       layer_cache = None if keys is None else dict(keys, k=cache["k"][i], v=cache["v"][i])
       x = Block(cfg, name=f"block_{i}")(
           x, positions=positions, multiplier=None if mult is None else mult[i],
-          deterministic=deterministic, key_mask=key_mask, cache=layer_cache)
+          deterministic=deterministic, key_mask=key_mask, segment_ids=segment_ids,
+          cache=layer_cache)
       if keys is not None:
         x, (k, v) = x
         new_k.append(k)
@@ -189,31 +200,6 @@ class Transformer(nn.Module):
     if cache is None:
       return logits
     return logits, dict(keys, k=tuple(new_k), v=tuple(new_v), index=cache["index"] + t)
-
-
-def _write_slots(cache: Cache, mask: Array, positions: Array | None, t: int):
-  """(the cache's positions, validity and index with T new tokens written, their positions).
-
-  Raises:
-    ValueError: the T tokens do not fit the cache's free slots.
-  """
-  max_len, index = cache["positions"].shape[1], cache["index"]
-  try:
-    free = max_len - int(index)        # Concrete index (eager calls): check the free slots.
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    free = max_len                     # Traced index: only the cache length is static.
-  if t > free:
-    raise ValueError(f"{t} new tokens do not fit the KV cache: {free} of its {max_len} slots "
-                     f"are free (the cache length limits prompt plus generated tokens)")
-  if positions is None:
-    positions = padded_positions(mask, jnp.sum(cache["valid"], axis=-1))
-  positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), mask.shape)
-  keys = {
-      "positions": jax.lax.dynamic_update_slice(cache["positions"], positions, (0, index)),
-      "valid": jax.lax.dynamic_update_slice(cache["valid"], mask, (0, index)),
-      "index": index,
-  }
-  return keys, positions
 
 
 def num_params(config: ModelConfig) -> int:

@@ -2,9 +2,11 @@
 
 Causal masking is by absolute position: key s is visible to query t iff k_pos[s] <= q_pos[t];
 with a `local_window` W also q_pos[t] - k_pos[s] < W (the last W positions, Mistral / Qwen2
-`sliding_window`). Positions default to arange(S) for keys and S - T + arange(T) for queries, so
-with T < S the queries are the last T positions (bottom-right aligned, as KV-cache decoding
-needs); with T > S queries default to arange(T).
+`sliding_window`); with segment ids also q_segment_ids[t] == kv_segment_ids[s] (packed
+documents). Positions default to arange(S) for keys and S - T + arange(T) for queries:
+bottom-right aligned, as FlashAttention and PyTorch align causal masks. With T < S the queries
+are the last T positions (as KV-cache decoding needs); with T > S the first T - S queries sit at
+negative positions and, causally, see no key (their rows are zero).
 
 Shape letters: B batch, T query length, S key length.
 """
@@ -21,13 +23,14 @@ Array = jax.Array
 
 
 def default_positions(q_len: int, k_len: int) -> tuple[np.ndarray, np.ndarray]:
-  """Default (q_positions [T], k_positions [S]) int32: queries are the last T of S positions.
+  """Default (q_positions [T], k_positions [S]) int32: S - T + arange(T) and arange(S), the
+  queries bottom-right aligned (for T > S the first T - S are negative).
 
   numpy arrays, so they stay concrete under `jax.jit`: the fused kernel then derives its
   position tables at trace time, not in every call. (Unlike jax arrays they have no `.at`;
   `jnp.asarray` makes them jax arrays.)"""
-  k_pos = np.arange(k_len, dtype=np.int32)
-  return k_pos[k_len - q_len:] if q_len <= k_len else np.arange(q_len, dtype=np.int32), k_pos
+  return (np.arange(q_len, dtype=np.int32) + (k_len - q_len),
+          np.arange(k_len, dtype=np.int32))
 
 
 def check_int32_range(positions, name: str = "positions") -> None:
@@ -132,11 +135,37 @@ def resolve(batch: int, q_len: int, k_len: int, q_positions, k_positions, key_ma
   return q_pos, k_pos, check_key_mask(key_mask, batch, k_len)
 
 
+def check_segment_ids(q_segment_ids, kv_segment_ids, batch: int, q_len: int, k_len: int
+                      ) -> tuple[Array | None, Array | None]:
+  """Segment ids as jax arrays, or (None, None).
+
+  Raises:
+    ValueError: only one of the two given, or not [B, T] / [B, S].
+    TypeError: non-integer ids.
+  """
+  if q_segment_ids is None and kv_segment_ids is None:
+    return None, None
+  if q_segment_ids is None or kv_segment_ids is None:
+    raise ValueError("q_segment_ids and kv_segment_ids go together: pass both (the same array "
+                     "for self-attention without a cache) or neither")
+  ids = []
+  for name, seg, length in (("q_segment_ids", q_segment_ids, q_len),
+                            ("kv_segment_ids", kv_segment_ids, k_len)):
+    seg = jnp.asarray(seg)
+    if seg.shape != (batch, length):
+      raise ValueError(f"{name} must have shape [{batch}, {length}], got {seg.shape}")
+    if not jnp.issubdtype(seg.dtype, jnp.integer):
+      raise TypeError(f"{name} must be integer segment ids, got {seg.dtype}")
+    ids.append(seg)
+  return ids[0], ids[1]
+
+
 def attention_mask(
     q_positions: Array, k_positions: Array, *, is_causal: bool, k_valid: Array | None = None,
-    local_window: int | None = None,
+    local_window: int | None = None, q_segment_ids: Array | None = None,
+    kv_segment_ids: Array | None = None,
 ) -> Array | None:
-  """Boolean mask [B|1, T, S]: True where query t may attend to key s, or None (all visible).
+  """Boolean mask: True where query t may attend to key s, or None (all visible).
 
   Args:
     q_positions: [T] or [B, T] int.
@@ -144,6 +173,12 @@ def attention_mask(
     is_causal: mask keys whose position exceeds the query's.
     k_valid: optional [B, S] bool, False for padding keys.
     local_window: None, or W: mask keys W or more positions before the query.
+    q_segment_ids, kv_segment_ids: None, or [B, T] and [B, S] int: a query sees only the keys
+      of its own segment (packed documents).
+
+  Returns:
+    None or bool broadcastable to [B, T, S]: [B|1, T, S] with `is_causal`, `local_window` or
+    segment ids, [B, 1, S] with `k_valid` alone.
   """
   qp = q_positions if q_positions.ndim == 2 else q_positions[None]
   kp = k_positions if k_positions.ndim == 2 else k_positions[None]
@@ -153,6 +188,9 @@ def attention_mask(
   if local_window is not None:
     near = qp[:, :, None] - kp[:, None, :] < local_window
     mask = near if mask is None else mask & near
+  if q_segment_ids is not None:
+    same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+    mask = same if mask is None else mask & same
   if k_valid is not None:
     valid = k_valid[:, None, :]
     mask = valid if mask is None else mask & valid
@@ -172,22 +210,3 @@ def padded_positions(attention_mask: Array, offset: Array | int = 0) -> Array:
   m = jnp.asarray(attention_mask).astype(jnp.int32)
   pos = jnp.cumsum(m, axis=-1) - 1
   return (jnp.maximum(pos, 0) + jnp.asarray(offset, jnp.int32).reshape(-1, 1)).astype(jnp.int32)
-
-
-def empty_kv_cache(num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
-                   dtype) -> dict:
-  """The KV cache layout both models share: `max_len` empty slots per row.
-
-  Returns:
-    dict: "k", "v": tuples of L arrays [B, S, K, H] of zeros in `dtype`; "positions": [B, S]
-    int32; "valid": [B, S] bool, all False (unwritten slots are masked, whatever they hold);
-    "index": [] int32, the number of slots written.
-  """
-  shape = (batch, max_len, kv_heads, head_dim)
-  return {
-      "k": tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-      "v": tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-      "positions": jnp.zeros((batch, max_len), jnp.int32),
-      "valid": jnp.zeros((batch, max_len), bool),
-      "index": jnp.zeros((), jnp.int32),
-  }

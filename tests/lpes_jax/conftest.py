@@ -18,7 +18,7 @@ def smollm2_path():
 def smollm2(smollm2_path):
   """(model, params, config) of SmolLM2-135M-Instruct, dequantised to float32 once per session."""
   from lpes_jax import load_pretrained
-  return load_pretrained(smollm2_path)
+  return load_pretrained(smollm2_path, attention_implementation="xla")  # the parity reference
 
 
 @pytest.fixture(scope="session")

@@ -155,9 +155,10 @@ def test_kv_cache_overflow_is_an_error(params):
 
 
 def test_cudnn_implementation_matches_xla(params, monkeypatch):
-  """"cudnn" (plain prefill through jax.nn's fused op with its own causal mask, run here by its XLA
-  backend) gives "xla"'s logits; None runs cuDNN where it can and "xla" with padding and a KV
-  cache; a named "cudnn" refuses those calls (NotImplementedError), and "jax_nn" is gone."""
+  """"cudnn" (rotation, then jax.nn's fused op: its own causal mask for plain prefill, the
+  positions' boolean mask for padded and cached calls; run here by its XLA backend) gives "xla"'s
+  logits, as does None (the default), for plain, padded and cached calls; a float32 model named
+  "cudnn" raises NotImplementedError when called, and "jax_nn" is not a name."""
   from pope_jax import attention
   monkeypatch.setattr(attention, "CUDNN_BACKEND", "xla")
   monkeypatch.setattr(attention, "_gpu_capability", lambda: ("gpu", 9))
@@ -166,20 +167,27 @@ def test_cudnn_implementation_matches_xla(params, monkeypatch):
   ref_cfg = dataclasses.replace(CFG, dtype="bfloat16", attention_implementation="xla")
   cfg = dataclasses.replace(ref_cfg, attention_implementation="cudnn")
   auto = dataclasses.replace(ref_cfg, attention_implementation=None)
+  assert LlamaConfig(**{f.name: getattr(CFG, f.name) for f in dataclasses.fields(CFG)
+                        if f.name != "attention_implementation"}).attention_implementation is None
   p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
   tokens = jax.random.randint(jax.random.key(1), (2, 7), 3, CFG.vocab_size)
   mask = jnp.array([[0, 0, 1, 1, 1, 1, 1], [1] * 7], bool)
   for kw in ({}, {"attention_mask": mask}):
     ref = Llama(ref_cfg).apply({"params": p16}, tokens, **kw)
-    out = Llama(auto if kw else cfg).apply({"params": p16}, tokens, **kw)
-    np.testing.assert_allclose(out, ref, atol=1.5e-1)
-  with pytest.raises(NotImplementedError, match="cudnn"):
-    Llama(cfg).apply({"params": p16}, tokens, attention_mask=mask)
+    for c in (cfg, auto):
+      out = Llama(c).apply({"params": p16}, tokens, **kw)
+      np.testing.assert_allclose(out, ref, atol=1.5e-1)
   cache = init_kv_cache(ref_cfg, 2, 16)
-  ref, _ = Llama(ref_cfg).apply({"params": p16}, tokens, kv_cache=cache)
-  out, _ = Llama(auto).apply({"params": p16}, tokens, kv_cache=cache)
-  np.testing.assert_allclose(out, ref, atol=5e-2)
+  ref, ref_cache = Llama(ref_cfg).apply({"params": p16}, tokens, attention_mask=mask,
+                                        kv_cache=cache)
+  ref_next, _ = Llama(ref_cfg).apply({"params": p16}, tokens[:, :1], kv_cache=ref_cache)
+  for c in (cfg, auto):
+    out, new_cache = Llama(c).apply({"params": p16}, tokens, attention_mask=mask, kv_cache=cache)
+    np.testing.assert_allclose(out, ref, atol=1.5e-1)
+    out, _ = Llama(c).apply({"params": p16}, tokens[:, :1], kv_cache=new_cache)   # T = 1
+    np.testing.assert_allclose(out, ref_next, atol=1.5e-1)
   with pytest.raises(ValueError, match="attention_implementation"):
     dataclasses.replace(CFG, attention_implementation="jax_nn")
-  with pytest.raises(ValueError, match="cudnn"):
-    dataclasses.replace(CFG, attention_implementation="cudnn")            # float32
+  f32 = dataclasses.replace(CFG, attention_implementation="cudnn")          # the name is valid
+  with pytest.raises(NotImplementedError, match="cudnn.*bf16/fp16"):        # float32 cannot run
+    Llama(f32).apply({"params": params}, tokens)

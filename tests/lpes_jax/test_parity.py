@@ -16,7 +16,8 @@ TOL = 1e-3
 
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_tiny_logits_and_greedy_match_transformers(name):
-  model, params, config = load_pretrained(os.path.join(FIXTURES, name))
+  model, params, config = load_pretrained(os.path.join(FIXTURES, name),
+                                         attention_implementation="xla")
   fx = np.load(os.path.join(FIXTURES, f"{name}.npz"))
   logits = model.apply({"params": params}, jnp.asarray(fx["input_ids"]),
                        attention_mask=jnp.asarray(fx["attention_mask"]))

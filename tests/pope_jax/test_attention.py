@@ -141,15 +141,25 @@ def test_rope_cudnn_path_matches_xla_reference(monkeypatch, n, k, causal):
                                rtol=5e-2)
 
 
-@pytest.mark.parametrize("kw, t, s, dtype", [
-    (dict(q_positions=jnp.arange(6)), 6, 6, jnp.bfloat16),
-    (dict(key_mask=jnp.ones((2, 6), bool)), 6, 6, jnp.bfloat16),
-    ({}, 3, 6, jnp.bfloat16),
-    ({}, 6, 6, jnp.float32)])
-def test_rope_cudnn_refuses_what_it_cannot_run_exactly(kw, t, s, dtype):
-  q, kk, v, _ = _qkv(t=t, s=s, dtype=dtype)
-  with pytest.raises(NotImplementedError, match="cudnn"):
-    attention.rope_attention(q, kk, v, is_causal=True, implementation="cudnn", **kw)
+@pytest.mark.parametrize("fn", ["pope", "rope"])
+@pytest.mark.parametrize("capability, dtype, h, match", [
+    (("cpu", 0), jnp.bfloat16, 8, "NVIDIA GPU of sm80"),
+    (("gpu", 7), jnp.bfloat16, 8, "NVIDIA GPU of sm80"),
+    (("gpu", 9), jnp.float32, 8, "bf16/fp16"),
+    (("gpu", 8), jnp.bfloat16, 72, "up to 128"),     # PoPE 2H = 144, RoPE H = 72 fits
+    (("gpu", 9), jnp.bfloat16, 136, "up to 256")])   # PoPE 2H = 272, RoPE H = 136 fits
+def test_cudnn_refuses_what_it_cannot_run_and_says_why(monkeypatch, fn, capability, dtype, h,
+                                                       match):
+  monkeypatch.setattr(attention, "_gpu_capability", lambda: capability)
+  monkeypatch.setattr(attention, "CUDNN_BACKEND", "xla")
+  q, kk, v, delta = _qkv(b=1, t=2, s=2, n=1, k=1, h=h, dtype=dtype)
+  call = (lambda: attention.pope_attention(q, kk, v, delta, implementation="cudnn")) if (
+      fn == "pope") else (lambda: attention.rope_attention(q, kk, v, implementation="cudnn"))
+  if fn == "rope" and h in (72, 136):
+    call()                                          # RoPE's width is H, not 2H
+  else:
+    with pytest.raises(NotImplementedError, match=f"implementation='cudnn': .*{match}"):
+      call()
 
 
 def test_rope_default_picks_cudnn_only_for_inputs_it_takes(monkeypatch):
@@ -159,8 +169,9 @@ def test_rope_default_picks_cudnn_only_for_inputs_it_takes(monkeypatch):
   with pytest.raises(ValueError, match="no such backend"):
     attention.rope_attention(q, kk, v, is_causal=True)
   attention.rope_attention(q, kk, v.astype(jnp.float32), is_causal=True)       # mixed: reference
-  attention.rope_attention(q, kk, v, is_causal=True, q_positions=jnp.arange(5),
-                           k_positions=jnp.arange(5))                          # positions given
+  with pytest.raises(ValueError, match="no such backend"):                     # positions given
+    attention.rope_attention(q, kk, v, is_causal=True, q_positions=jnp.arange(5),
+                             k_positions=jnp.arange(5))
 
 
 def test_rope_default_implementation_is_the_reference_on_cpu():
@@ -228,22 +239,29 @@ def test_default_implementation_picks_the_kernel_only_where_it_runs(monkeypatch)
     def __init__(self, platform, capability):
       self.platform, self.compute_capability = platform, capability
   q16 = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
-  pick = lambda q, k, v, multiplier, key_mask: attention._choose(
+  pick = lambda q, k, v, multiplier, key_mask, segment_ids=False: attention._choose(
       "pope_attention", None, attention._pope_why_not, q, k, v, multiplier=multiplier,
-      key_mask=key_mask)
+      key_mask=key_mask, segment_ids=segment_ids)
   assert pick(q16, q16, q16, None, None) == "xla"                         # CPU
   monkeypatch.setattr(jax, "devices", lambda: [FakeDevice("gpu", "9.0")])
   assert kernel.platform_reason() is None
   assert pick(q16, q16, q16, None, None) == "pallas"
   assert pick(q16, q16, q16.astype(jnp.float32), None, None) == "xla"     # mixed dtypes
   assert pick(q16.astype(jnp.float32), q16, q16, None, None) == "xla"     # float32
-  assert pick(q16, q16, q16, 0.5, None) == "xla"                          # multiplier
+  assert pick(q16, q16, q16, 0.5, None) == "cudnn"                        # multiplier
+  assert pick(q16, q16, q16, None, jnp.ones((1, 8), bool)) == "cudnn"     # key_mask
+  assert pick(q16, q16, q16, None, None, True) == "cudnn"                 # segment ids
   monkeypatch.setattr(jax, "devices", lambda: [FakeDevice("gpu", "8.0")])
-  assert pick(q16, q16, q16, None, None) == "xla"                         # not Hopper
+  assert pick(q16, q16, q16, None, None) == "cudnn"                       # not Hopper: 2H = 128
+  assert pick(q16, q16, q16.astype(jnp.float32), None, None) == "xla"     # mixed dtypes
+  q128 = jnp.zeros((1, 8, 2, 128), jnp.bfloat16)
+  assert pick(q128, q128, q128, None, None) == "xla"                      # 2H = 256 > 128
+  monkeypatch.setattr(jax, "devices", lambda: [FakeDevice("gpu", "7.5")])
+  assert pick(q16, q16, q16, None, None) == "xla"                         # before sm80
 
 
 @pytest.mark.parametrize("fn, impl, match", [
-    (attention.pope_attention, "cudnn", "cuDNN has no PoPE score"),
+    (attention.pope_attention, "cudnn", "NVIDIA GPU"),                   # CPU
     (attention.rope_attention, "pallas", "no RoPE kernel"),
     (attention.pope_attention, "pallas", "Hopper"),                       # CPU
     (attention.rope_attention, "cudnn", "NVIDIA GPU")])                  # CPU
@@ -335,3 +353,150 @@ def test_positional_attention_dtype_errors_name_the_argument(dtype, err):
   x = jnp.ones((1, 4, 16), jnp.float32)
   with pytest.raises(err, match="PositionalAttention.dtype"):
     layer.init(jax.random.key(0), x)
+
+
+# --- implementation="cudnn" on CPU: jax.nn's XLA backend stands in for cuDNN (same arguments).
+
+def _cudnn_cases():
+  """(name, t, s, kwargs) of calls whose mask reaches cuDNN in each of its forms."""
+  left_pad = jnp.array([[False, False, True, True, True, True, True],
+                        [True, True, True, True, True, True, True]])
+  seg = jnp.array([[0, 0, 0, 1, 1, 2, 2], [0, 1, 1, 1, 1, 1, 1]])
+  return [
+      ("causal", 6, 6, dict(is_causal=True)),                       # cuDNN's own causal mask
+      ("full", 6, 6, {}),                                           # no mask
+      ("cache", 3, 7, dict(is_causal=True)),                        # T < S: bottom-right
+      ("decode", 1, 7, dict(is_causal=True, key_mask=left_pad)),    # odd T and S, padded
+      ("t_gt_s", 7, 4, dict(is_causal=True)),                       # rows with no key
+      ("left_pad", 7, 7, dict(is_causal=True, key_mask=left_pad,
+                              q_positions=positions.padded_positions(left_pad),
+                              k_positions=positions.padded_positions(left_pad))),
+      ("packed", 7, 7, dict(is_causal=True, q_segment_ids=seg, kv_segment_ids=seg)),
+      ("multiplier", 6, 6, dict(is_causal=True, multiplier=jnp.array([0.5, 0.5, 0.25, 0.25]))),
+      ("no_key", 3, 4, dict(is_causal=True, q_positions=jnp.array([-1, 0, 5]),
+                            k_positions=jnp.arange(4))),
+  ]
+
+
+def _run(fn, q, k, v, delta, impl, kw):
+  if fn == "pope":
+    return attention.pope_attention(q, k, v, delta, implementation=impl, **kw)
+  return attention.rope_attention(q, k, v, implementation=impl, **kw)
+
+
+@pytest.mark.parametrize("fn", ["pope", "rope"])
+@pytest.mark.parametrize("name, t, s, kw", _cudnn_cases(), ids=[c[0] for c in _cudnn_cases()])
+def test_cudnn_path_matches_xla_reference(monkeypatch, fn, name, t, s, kw):
+  """The "cudnn" branch (map q and k, then jax.nn's fused op with cuDNN's mask forms), run on
+  CPU through jax.nn's XLA backend, equals the reference in value and gradient (bf16 inputs),
+  with zero rows and finite gradients where no key is visible."""
+  monkeypatch.setattr(attention, "CUDNN_BACKEND", "xla")
+  monkeypatch.setattr(attention, "_gpu_capability", lambda: ("gpu", 9))
+  q, k, v, delta = _qkv(b=2, t=t, s=s, n=4, k=2, h=8, seed=5, dtype=jnp.bfloat16)
+  v = v[..., :6]                                                        # V != H: padded
+  run = lambda impl: lambda q, k, v, d: _run(fn, q, k, v, d, impl, kw).astype(jnp.float32)
+  ref, out = run("xla")(q, k, v, delta), run("cudnn")(q, k, v, delta)
+  assert out.shape == (2, t, 4, 6)
+  np.testing.assert_allclose(out, ref, atol=3e-2, rtol=3e-2)
+  if name in ("t_gt_s", "no_key"):
+    assert np.all(np.asarray(out[:, 0]) == 0)
+  argnums = (0, 1, 2, 3) if fn == "pope" else (0, 1, 2)
+  grads = [jax.grad(lambda *a: jnp.sum(run(impl)(*a) ** 2), argnums=argnums)(q, k, v, delta)
+           for impl in ("xla", "cudnn")]
+  for gx, gc in zip(*grads):
+    gx, gc = np.asarray(gx, np.float32), np.asarray(gc, np.float32)
+    assert np.all(np.isfinite(gc))
+    np.testing.assert_allclose(gc, gx, atol=1.5e-1, rtol=5e-2)
+
+
+def test_rope_cudnn_takes_a_sliding_window_in_both_forms(monkeypatch):
+  monkeypatch.setattr(attention, "CUDNN_BACKEND", "xla")
+  monkeypatch.setattr(attention, "_gpu_capability", lambda: ("gpu", 8))
+  q, k, v, _ = _qkv(b=1, t=6, s=6, dtype=jnp.bfloat16)
+  for kw in (dict(is_causal=True), dict(is_causal=True, q_positions=jnp.arange(6)), {}):
+    ref = attention.rope_attention(q, k, v, local_window=2, implementation="xla", **kw)
+    out = attention.rope_attention(q, k, v, local_window=2, implementation="cudnn", **kw)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               atol=3e-2)
+
+
+def test_cudnn_backward_pads_odd_lengths_only_for_the_mask_form(monkeypatch):
+  """cuDNN's backward with a mask (bias) needs even T and S: the backward sees them even; the
+  forward alone keeps the odd ones."""
+  monkeypatch.setattr(attention, "_gpu_capability", lambda: ("gpu", 9))
+  monkeypatch.setattr(attention, "CUDNN_BACKEND", "xla")
+  seen = []
+  real = jax.nn.dot_product_attention
+  def spy(q, k, v, *a, **kw):
+    seen.append((q.shape[1], k.shape[1], kw.get("mask") is not None))
+    return real(q, k, v, *a, **kw)
+  monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+  q, k, v, _ = _qkv(b=1, t=1, s=5, dtype=jnp.bfloat16)
+  kw = dict(is_causal=True, key_mask=jnp.ones((1, 5), bool), implementation="cudnn")
+  attention.rope_attention(q, k, v, **kw)
+  assert seen == [(1, 5, True)]
+  jax.grad(lambda q: attention.rope_attention(q, k, v, **kw).astype(jnp.float32).sum())(q)
+  assert seen[1:] == [(2, 6, True)]
+
+
+def test_segment_ids_equal_attending_each_document_alone():
+  q, k, v, delta = _qkv(b=1, t=7, s=7)
+  seg = jnp.array([[3, 3, 3, 5, 5, 5, 5]])
+  pos = jnp.array([[0, 1, 2, 0, 1, 2, 3]])
+  kw = dict(is_causal=True, q_segment_ids=seg, kv_segment_ids=seg, q_positions=pos,
+            k_positions=pos, implementation="xla")
+  packed = attention.pope_attention(q, k, v, delta, **kw)
+  for a, b in ((0, 3), (3, 7)):
+    alone = attention.pope_attention(q[:, a:b], k[:, a:b], v[:, a:b], delta, is_causal=True)
+    np.testing.assert_allclose(packed[:, a:b], alone, atol=1e-5)
+  kw.pop("delta", None)
+  rope_packed = attention.rope_attention(q, k, v, **kw)
+  rope_alone = attention.rope_attention(q[:, 3:], k[:, 3:], v[:, 3:], is_causal=True)
+  np.testing.assert_allclose(rope_packed[:, 3:], rope_alone, atol=1e-5)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(q_segment_ids=jnp.zeros((2, 5), int)), "go together"),
+    (dict(q_segment_ids=jnp.zeros((2, 4), int), kv_segment_ids=jnp.zeros((2, 5), int)),
+     "q_segment_ids must have shape"),
+    (dict(q_segment_ids=jnp.zeros((2, 5)), kv_segment_ids=jnp.zeros((2, 5))), "integer"),
+])
+def test_bad_segment_ids_are_named(kw, match):
+  q, k, v, delta = _qkv()
+  with pytest.raises((ValueError, TypeError), match=match):
+    attention.pope_attention(q, k, v, delta, **kw)
+
+
+def test_causal_t_greater_than_s_is_bottom_right_aligned():
+  """T > S with is_causal: query t sits at S - T + t, so the first T - S rows see no key (zero)
+  and the last S rows equal the T == S call on the last S queries."""
+  q, k, v, delta = _qkv(t=7, s=4)
+  q_pos, k_pos = positions.default_positions(7, 4)
+  np.testing.assert_array_equal(q_pos, np.arange(7) - 3)
+  np.testing.assert_array_equal(k_pos, np.arange(4))
+  for fn, args in ((attention.pope_attention, (q, k, v, delta)),
+                   (attention.rope_attention, (q, k, v))):
+    out = fn(*args, is_causal=True, implementation="xla")
+    assert np.all(np.asarray(out[:, :3]) == 0)
+    square = fn(*((args[0][:, 3:],) + args[1:]), is_causal=True, implementation="xla")
+    np.testing.assert_allclose(out[:, 3:], square, atol=1e-5)
+
+
+def test_block_sizes_only_with_pallas():
+  from pallas_kernels.pope_attention_config import BlockSizes
+  q, k, v, delta = _qkv()
+  for impl in (None, "xla", "cudnn"):
+    with pytest.raises(ValueError, match="block_sizes"):
+      attention.pope_attention(q, k, v, delta, implementation=impl, block_sizes=BlockSizes())
+  with pytest.raises(NotImplementedError, match="pallas"):     # on CPU: the platform, not a
+    attention.pope_attention(q, k, v, delta, implementation="pallas",  # silent fallback
+                             block_sizes=BlockSizes())
+
+
+def test_one_vocabulary_checks_every_name():
+  assert attention.IMPLEMENTATIONS == ("xla", "cudnn", "pallas")
+  assert set(attention.ORDER) == set(attention.IMPLEMENTATIONS)
+  for name in (None,) + attention.IMPLEMENTATIONS:
+    attention.check_implementation(name)
+  with pytest.raises(ValueError, match="Thing.field must be one of"):
+    attention.check_implementation("jax_nn", "Thing.field")

@@ -123,12 +123,13 @@ def test_config_errors_name_the_field(kwargs, match):
 
 
 def test_xla_attention_implementation_pins_rope_to_the_reference(monkeypatch):
-  """ModelConfig(attention_implementation="xla") keeps RoPE off cuDNN even where it would run."""
+  """ModelConfig(attention_implementation="xla") keeps RoPE off cuDNN even where it would run;
+  "cudnn" and None run it; "pallas" (no RoPE kernel) raises, never remapped."""
   from pope_jax import attention
   monkeypatch.setattr(attention, "_gpu_capability", lambda: ("gpu", 9))
   monkeypatch.setattr(attention, "CUDNN_BACKEND", "no such backend")   # raises if chosen
   tokens = jnp.zeros((1, 8), jnp.int32)
-  for impl, fails in (("xla", False), (None, True)):
+  for impl, fails in (("xla", False), (None, True), ("cudnn", True)):
     model = Transformer(ModelConfig(vocab_size=11, num_layers=1, d_model=16, num_heads=2,
                                     pos_encoding="rope", dtype="bfloat16",
                                     attention_implementation=impl))
@@ -137,6 +138,11 @@ def test_xla_attention_implementation_pins_rope_to_the_reference(monkeypatch):
         model.init(jax.random.key(0), tokens)
     else:
       model.init(jax.random.key(0), tokens)
+  model = Transformer(ModelConfig(vocab_size=11, num_layers=1, d_model=16, num_heads=2,
+                                  pos_encoding="rope", dtype="bfloat16",
+                                  attention_implementation="pallas"))
+  with pytest.raises(NotImplementedError, match="no RoPE kernel"):
+    model.init(jax.random.key(0), tokens)
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -209,3 +215,36 @@ def test_token_ids_outside_the_vocabulary_are_refused(bad, index):
   with pytest.raises(ValueError, match=rf"token id {bad} at index \({index[0]}, {index[1]}\)"):
     model.apply({"params": params}, tokens)
   jax.jit(lambda p, t: model.apply({"params": p}, t))(params, TOKENS)   # Traced ids: unchecked.
+
+
+@pytest.mark.parametrize("encoding", ["rope", "pope", "none"])
+def test_packed_documents_see_only_their_own_segment(encoding):
+  """segment_ids with per-document positions give each document the logits it has alone."""
+  model, params = _init(dataclasses.replace(CFG, pos_encoding=encoding))
+  seg = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1, 1]] * 2)
+  pos = jnp.array([[0, 1, 2, 3, 0, 1, 2, 3, 4]] * 2)
+  packed = model.apply({"params": params}, TOKENS, positions=pos, segment_ids=seg)
+  first = model.apply({"params": params}, TOKENS[:, :4])
+  second = model.apply({"params": params}, TOKENS[:, 4:])
+  np.testing.assert_allclose(packed[:, :4], first, atol=1e-5)
+  np.testing.assert_allclose(packed[:, 4:], second, atol=1e-5)
+
+
+def test_segment_ids_errors_are_named():
+  from pope_jax import init_cache
+  model, params = _init(CFG)
+  with pytest.raises(ValueError, match="segment_ids"):
+    model.apply({"params": params}, TOKENS, segment_ids=jnp.zeros((2, 8), jnp.int32))
+  with pytest.raises(ValueError, match="segment_ids"):
+    model.apply({"params": params}, TOKENS, segment_ids=jnp.zeros((2, 9), jnp.int32),
+                cache=init_cache(CFG, 2, 16))
+
+
+def test_config_takes_every_implementation_name_and_leaves_runnability_to_the_ops():
+  from pope_jax import attention
+  for name in (None,) + attention.IMPLEMENTATIONS:
+    assert dataclasses.replace(CFG, attention_implementation=name).attention_implementation == name
+  model, params = _init(dataclasses.replace(CFG, attention_implementation="xla"))
+  cudnn = Transformer(dataclasses.replace(CFG, attention_implementation="cudnn"))
+  with pytest.raises(NotImplementedError, match="cudnn"):     # float32 on CPU
+    cudnn.apply({"params": params}, TOKENS)
