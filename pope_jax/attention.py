@@ -3,8 +3,10 @@
 Public API: `pope_attention`, `rope_attention`, and the reference `dot_product_attention_reference`.
 Both ops take one vocabulary, `implementation=`:
   "xla"     the reference (float32 math, materialised scores); runs everything.
-  "pallas"  PoPE only: the fused Mosaic GPU kernel in `pallas_kernels` (Hopper), imported lazily
-            so a CPU-only install imports fine.
+  "pallas"  the Mosaic GPU kernels in `pallas_kernels` (Hopper), imported lazily so a CPU-only
+            install imports fine: PoPE's fused kernel; and for decoding (T <= 16 new queries
+            against S > T cached keys) the split-K decoding kernel on the mapped q and k, for
+            PoPE and RoPE, with any key_mask, positions and multiplier.
   "cudnn"   RoPE only: rotate q and k, then cuDNN flash attention through
             `jax.nn.dot_product_attention` (NVIDIA GPUs sm80+, plain causal inputs).
   None      the first of ORDER = ("pallas", "cudnn", "xla") that supports the inputs on this
@@ -14,6 +16,9 @@ unknown name raises ValueError; there is no silent fallback.
 
 Shape letters: B batch, T query length, S key length, N query heads, K kv heads (N % K == 0),
 H q/k head dim, V value head dim.
+
+`decode_attention` is the plain softmax attention of already-mapped queries and keys over a KV
+cache (a cache that holds rotated or Cartesian keys), with the same vocabulary.
 
 Positions, their defaults and masks are those of `pope_jax.positions` (causal by absolute
 position, queries bottom-right aligned by default), checked once per call. A query row with no
@@ -92,16 +97,38 @@ def _check_multiplier(multiplier, query: Array) -> None:
   encodings.check_finite_multipliers(multiplier, "multiplier")
 
 
+def pope_map(x: Array, x_positions: Array, *, base: float = 10000.0, delta: Array | None = None,
+             multiplier: Array | float | None = None, num_heads: int | None = None) -> Array:
+  """Queries or keys [B, T, N|K, H] in PoPE's Cartesian form [B, T, N|K, 2H] float32 (PoPE Eq.
+  7-10), as every PoPE path maps them: a query (num_heads None) takes the phase -δ of its head
+  (δ [N, H], clamped); a key of a GQA group takes the multiplier of its group's first query head
+  (num_heads N, `encodings.kv_head_multiplier`)."""
+  if num_heads is None:
+    # δ enters the query phase with opposite sign: cos(sθ - (tθ - δ)) = cos((s - t)θ + δ), the
+    # paper's key-side bias, and every query head of a GQA group keeps its own δ.
+    phase = None if delta is None else -encodings.clamp_phase_bias(delta)
+    return encodings.pope_cartesian(x, x_positions, base=base, phase=phase, multiplier=multiplier)
+  kmult = encodings.kv_head_multiplier(multiplier, num_heads, x.shape[2])
+  return encodings.pope_cartesian(x, x_positions, base=base, multiplier=kmult)
+
+
+def rope_map(x: Array, x_positions: Array, *, base: float = 10000.0,
+             multiplier: Array | float | None = None, layout: encodings.RopeLayout = "half",
+             frequencies: Array | None = None, num_heads: int | None = None) -> Array:
+  """Queries or keys [B, T, N|K, H] rotated by position·θ (RoFormer Eq. 16), in x's dtype; keys
+  (num_heads N) take their GQA group's multiplier (`encodings.kv_head_multiplier`)."""
+  if num_heads is not None:
+    multiplier = encodings.kv_head_multiplier(multiplier, num_heads, x.shape[2])
+  return encodings.apply_rope(x, x_positions, base=base, multiplier=multiplier, layout=layout,
+                              frequencies=frequencies)
+
+
 def _pope_xla(q, k, v, delta, *, base, is_causal, q_positions, k_positions, scale, multiplier,
               key_mask):
   mask = positions.attention_mask(q_positions, k_positions, is_causal=is_causal,
                                   k_valid=key_mask)
-  # δ enters the query phase with opposite sign: cos(sθ - (tθ - δ)) = cos((s - t)θ + δ), the same
-  # score as the paper's key-side bias, and it lets every query head of a GQA group keep its own δ.
-  q_bias = None if delta is None else -encodings.clamp_phase_bias(delta)
-  qc = encodings.pope_cartesian(q, q_positions, base=base, phase=q_bias, multiplier=multiplier)
-  kmult = encodings.kv_head_multiplier(multiplier, q.shape[2], k.shape[2])
-  kc = encodings.pope_cartesian(k, k_positions, base=base, multiplier=kmult)
+  qc = pope_map(q, q_positions, base=base, delta=delta, multiplier=multiplier)
+  kc = pope_map(k, k_positions, base=base, multiplier=multiplier, num_heads=q.shape[2])
   return dot_product_attention_reference(qc, kc, v, scale=scale, mask=mask)
 
 
@@ -118,6 +145,12 @@ def _check_delta(delta: Array, q: Array) -> Array:
 
 def _pope_pallas(q, k, v, delta, *, base, is_causal, q_positions, k_positions, scale, multiplier,
                  key_mask):
+  if _is_decode(q, k):
+    qc = pope_map(q, q_positions, base=base, delta=delta, multiplier=multiplier)
+    kc = pope_map(k, k_positions, base=base, multiplier=multiplier, num_heads=q.shape[2])
+    return _decode_pallas(qc.astype(q.dtype), kc.astype(k.dtype), v, scale=scale,
+                          key_mask=key_mask, q_positions=q_positions if is_causal else None,
+                          k_positions=k_positions if is_causal else None)
   del multiplier, key_mask  # None: `_pope_why_not` refuses them.
   from pallas_kernels import pope_attention as kernel  # Lazy: GPU-only dependency chain.
   with jax.ensure_compile_time_eval():  # concrete θ: the kernel's tables stay trace-time constants
@@ -142,10 +175,45 @@ def _gpu_capability() -> tuple[str, int]:
   return device.platform, major
 
 
+def _is_decode(q: Array, k: Array) -> bool:
+  """Whether a call is decoding: T <= 16 new queries against S > T keys (`pallas_kernels.
+  decode_attention`)."""
+  return q.shape[1] <= 16 and q.shape[1] < k.shape[1]
+
+
+def _decode_why_not(implementation, q, k, v, **_) -> str | None:
+  """Why `implementation` cannot run plain attention of mapped q, k over a cache, or None."""
+  if implementation == "cudnn":
+    return "cuDNN takes no arbitrary key_mask; use implementation='pallas' (Hopper GPUs) or 'xla'"
+  if implementation == "pallas":
+    from pallas_kernels import decode_attention as kernel  # Lazy: GPU-only dependency chain.
+    return kernel.unsupported_reason(q, k, v) or kernel.platform_reason()
+  return None
+
+
+def _decode_pallas(q, k, v, *, scale, key_mask, q_positions, k_positions) -> Array:
+  """The split-K decoding kernel on mapped q, k; positions [T]/[B, T] and [S]/[B, S] or None."""
+  from pallas_kernels import decode_attention as kernel  # Lazy: GPU-only dependency chain.
+  b, t, s = q.shape[0], q.shape[1], k.shape[1]
+  key_mask = jnp.ones((b, s), bool) if key_mask is None else key_mask
+  if q_positions is not None:
+    q_positions = jnp.broadcast_to(jnp.asarray(q_positions, jnp.int32), (b, t))
+    k_positions = jnp.broadcast_to(jnp.asarray(k_positions, jnp.int32), (b, s))
+  return kernel.decode_attention(q, k, v, scale=scale, key_mask=key_mask,
+                                 q_positions=q_positions, k_positions=k_positions)
+
+
+def _mapped_shape(x: Array, width: int) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(x.shape[:-1] + (width,), x.dtype)
+
+
 def _pope_why_not(implementation, q, k, v, *, multiplier, key_mask, **_) -> str | None:
   """Why PoPE `implementation` cannot run these inputs here, or None if it can."""
   if implementation == "cudnn":
     return "cuDNN has no PoPE score; use implementation='pallas' (Hopper GPUs) or 'xla'"
+  if implementation == "pallas" and _is_decode(q, k):
+    h2 = 2 * q.shape[-1]
+    return _decode_why_not("pallas", _mapped_shape(q, h2), _mapped_shape(k, h2), v)
   if implementation == "pallas":
     if multiplier is not None or key_mask is not None:
       return "the pallas kernel takes neither a frequency multiplier nor a key_mask yet"
@@ -157,7 +225,10 @@ def _pope_why_not(implementation, q, k, v, *, multiplier, key_mask, **_) -> str 
 def _rope_why_not(implementation, q, k, v, *, plain, local_window, **_) -> str | None:
   """Why RoPE `implementation` cannot run these inputs here, or None if it can."""
   if implementation == "pallas":
-    return "there is no RoPE kernel in pallas_kernels; use implementation='cudnn' or 'xla'"
+    if not _is_decode(q, k) or local_window is not None:
+      return ("the pallas RoPE path is the decoding kernel (T <= 16 queries, S > T keys, no "
+              "local_window); use implementation='cudnn' or 'xla'")
+    return _decode_why_not("pallas", q, k, v)
   if implementation == "cudnn":
     platform, major = _gpu_capability()
     if platform != "gpu" or major < 8:
@@ -274,9 +345,10 @@ def rope_attention(
       1/sqrt(H)).
     local_window: None, or W: query t sees only keys with q_pos[t] - k_pos[s] < W (Mistral /
       Qwen2 `sliding_window`; `pope_jax.positions.attention_mask`).
-    implementation: None, "xla" or "cudnn" (see the module docstring; "pallas" raises). "cudnn"
+    implementation: None, "xla", "cudnn" or "pallas" (see the module docstring). "cudnn"
       runs default positions with T == S, no key_mask or local_window, one bf16/fp16 dtype and
-      V == H <= 128, on NVIDIA GPUs sm80+ (cuDNN's own top-left causal mask is exact there).
+      V == H <= 128, on NVIDIA GPUs sm80+ (cuDNN's own top-left causal mask is exact there);
+      "pallas" runs decoding (T <= 16, S > T, no local_window) on Hopper.
 
   Returns:
     [B, T, N, V] in the query's dtype.
@@ -296,10 +368,13 @@ def rope_attention(
   q_pos, k_pos, key_mask = positions.resolve(
       query.shape[0], query.shape[1], key.shape[1], q_positions, k_positions, key_mask)
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-  rope = dict(base=base, layout=layout, frequencies=frequencies)
-  qr = encodings.apply_rope(query, q_pos, multiplier=multiplier, **rope)
-  kmult = encodings.kv_head_multiplier(multiplier, query.shape[2], key.shape[2])
-  kr = encodings.apply_rope(key, k_pos, multiplier=kmult, **rope)
+  rope = dict(base=base, layout=layout, frequencies=frequencies, multiplier=multiplier)
+  qr = rope_map(query, q_pos, **rope)
+  kr = rope_map(key, k_pos, num_heads=query.shape[2], **rope)
+  if implementation == "pallas":
+    return _decode_pallas(qr, kr, value, scale=scale, key_mask=key_mask,
+                          q_positions=q_pos if is_causal else None,
+                          k_positions=k_pos if is_causal else None).astype(query.dtype)
   if implementation == "cudnn":
     return jax.nn.dot_product_attention(qr, kr, value, scale=scale, is_causal=is_causal,
                                         implementation=CUDNN_BACKEND)
@@ -307,6 +382,55 @@ def rope_attention(
                                   local_window=local_window)
   return dot_product_attention_reference(qr, kr, value, scale=scale, mask=mask
                                          ).astype(query.dtype)
+
+
+def decode_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    scale: float,
+    key_mask: Array,
+    q_positions: Array | None = None,
+    k_positions: Array | None = None,
+    implementation: str | None = None,
+) -> Array:
+  """Softmax attention of T new mapped queries over a KV cache of mapped keys (decoding).
+
+  The cache holds the keys already mapped (rotated by RoPE, or PoPE's Cartesian form, `rope_map`
+  / `pope_map`), so the step reads each cached key once.
+
+  Args:
+    query: [B, T, N, H] mapped queries; key: [B, S, K, H] mapped keys; value: [B, S, K, V].
+    scale: the logit scale.
+    key_mask: [B, S] bool, True for the cache's valid slots.
+    q_positions, k_positions: both None (every valid slot visible), or [B, T] and [B, S] int:
+      query t sees slot s iff k_pos[s] <= q_pos[t] (causal by position).
+    implementation: None (the split-K kernel `pallas_kernels.decode_attention` on Hopper for
+      T <= 16 bf16/fp16, else the reference), "xla" (`dot_product_attention_reference`) or
+      "pallas".
+
+  Returns:
+    [B, T, N, V] in the query's dtype; zero rows where no key is visible.
+
+  Raises:
+    ValueError: mismatched shapes, unknown implementation. NotImplementedError: a named
+    implementation that cannot run these inputs, saying why.
+  """
+  _check_qkv(query, key, value)
+  key_mask = positions.check_key_mask(key_mask, query.shape[0], key.shape[1])
+  if (q_positions is None) != (k_positions is None):
+    raise ValueError("decode_attention takes both q_positions and k_positions, or neither")
+  implementation = _choose("decode_attention", implementation, _decode_why_not, query, key,
+                           value)
+  if implementation == "pallas":
+    out = _decode_pallas(query, key, value, scale=scale, key_mask=key_mask,
+                         q_positions=q_positions, k_positions=k_positions)
+  else:
+    mask = (key_mask[:, None, :] if q_positions is None else positions.attention_mask(
+        jnp.asarray(q_positions), jnp.asarray(k_positions), is_causal=True, k_valid=key_mask))
+    out = dot_product_attention_reference(query, key, value, scale=scale, mask=mask)
+  return out.astype(query.dtype)
 
 
 # `jax.nn.dot_product_attention` backend of implementation="cudnn" (tests swap in "xla" on CPU).

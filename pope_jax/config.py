@@ -67,6 +67,12 @@ class ModelConfig:
     attention_implementation: None (best available: the Pallas kernel for PoPE on Hopper, cuDNN
       for RoPE on NVIDIA GPUs, else the XLA reference), "xla" (the reference for every encoding)
       or "pallas" (the fused PoPE kernel; RoPE then takes its best available path).
+    kv_cache_keys: what the KV cache (`pope_jax.model.init_cache`) holds as keys, for RoPE and
+      PoPE: "mapped" (default) the keys as attention reads them, rotated by RoPE or in PoPE's
+      Cartesian form [B, S, K, 2H] (twice the raw keys' memory), written once per token; "raw"
+      the projections [B, S, K, H], mapped again over the whole cache at every step (valid for
+      any multiplier passed per call). Either decodes with the split-K kernel on Hopper;
+      experiments.bench_decode times both.
     rope_layout: "half" (Hugging Face) or "interleaved".
     rope_yarn: None, or YaRN frequency interpolation and attention temperature (RoPE only).
     init_std: None keeps Flax's default initialisers (LeCun-normal projections, embedding std
@@ -91,6 +97,7 @@ class ModelConfig:
   dtype: Any = "float32"
   logits_dtype: Any = "float32"
   attention_implementation: str | None = None
+  kv_cache_keys: str = "mapped"
   rope_layout: str = "half"
   rope_yarn: YarnConfig | None = None
   init_std: float | None = 0.02
@@ -109,6 +116,9 @@ class ModelConfig:
     if self.attention_implementation not in (None, "xla", "pallas"):
       raise ValueError(f"ModelConfig.attention_implementation must be None, 'xla' or 'pallas', "
                        f"got {self.attention_implementation!r}")
+    if self.kv_cache_keys not in ("mapped", "raw"):
+      raise ValueError(f"ModelConfig.kv_cache_keys must be 'mapped' or 'raw', got "
+                       f"{self.kv_cache_keys!r}")
     if self.pos_encoding not in POS_ENCODINGS:
       raise ValueError(
           f"ModelConfig.pos_encoding must be one of {POS_ENCODINGS}, got {self.pos_encoding!r}")

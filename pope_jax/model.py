@@ -53,12 +53,18 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None)
     dtype: cache dtype (default: the compute dtype).
 
   Returns:
-    dict: "k", "v": tuples of L arrays [B, S, K, H] (raw projections, before RoPE/PoPE);
+    dict: "k", "v": tuples of L arrays [B, S, K, H]: values and the keys as
+    `ModelConfig.kv_cache_keys` says (mapped: RoPE-rotated, or PoPE's Cartesian form [B, S, K, 2H];
+    raw: the projections);
     "positions": [B, S] int32; "valid": [B, S] bool (False for pads and unwritten slots);
     "index": [] int32, the number of slots written.
   """
-  return empty_kv_cache(config.num_layers, batch, max_len, config.kv_heads, config.head_size,
-                        jnp.dtype(dtype or config.dtype))
+  cache = empty_kv_cache(config.num_layers, batch, max_len, config.kv_heads, config.head_size,
+                         jnp.dtype(dtype or config.dtype))
+  if config.pos_encoding == "pope" and config.kv_cache_keys == "mapped":  # Cartesian: 2H wide
+    cache["k"] = tuple(jnp.zeros(k.shape[:-1] + (2 * config.head_size,), k.dtype)
+                       for k in cache["k"])
+  return cache
 
 
 def initializers(config: ModelConfig) -> tuple[nn.initializers.Initializer, ...]:
@@ -91,6 +97,7 @@ class Block(nn.Module):
         pos_encoding=cfg.pos_encoding, rope_base=cfg.rope_base, pope_base=cfg.pope_base,
         delta_init=cfg.delta_init, rope_layout=cfg.rope_layout, rope_yarn=cfg.rope_yarn,
         attention_implementation=cfg.attention_implementation, dtype=dtype, name="attn",
+        kv_cache_keys=cfg.kv_cache_keys,
         kernel_init=kernel_init, out_kernel_init=residual_init,
     )(h, positions=positions, multiplier=multiplier, key_mask=key_mask, cache=cache)
     if cache is not None:

@@ -30,12 +30,14 @@ def _padded_tokens():
   return jnp.asarray(toks), jnp.asarray(mask)
 
 
-CASES = [(enc, mult, kv) for enc in ("rope", "pope") for mult in (False, True) for kv in (4, 2)]
+CASES = [(enc, mult, kv, keys) for enc in ("rope", "pope") for mult in (False, True)
+         for kv in (4, 2) for keys in ("mapped", "raw")]
 
 
-@pytest.mark.parametrize("encoding,mult,kv_heads", CASES + [("none", False, 2)])
-def test_cached_decoding_equals_full_forward_every_step(encoding, mult, kv_heads):
-  cfg, model, params = _model(pos_encoding=encoding, num_kv_heads=kv_heads)
+@pytest.mark.parametrize("encoding,mult,kv_heads,keys", CASES + [("none", False, 2, "mapped")])
+def test_cached_decoding_equals_full_forward_every_step(encoding, mult, kv_heads, keys):
+  """Both KV-cache layouts (`ModelConfig.kv_cache_keys`) give the full forward's logits."""
+  cfg, model, params = _model(pos_encoding=encoding, num_kv_heads=kv_heads, kv_cache_keys=keys)
   # [L, N], equal within each GQA group of 2 query heads.
   m = None if not mult else jnp.array([[1.0, 1.0, 0.5, 0.5], [0.25, 0.25, 2.0, 2.0]])
   toks, mask = _padded_tokens()

@@ -194,7 +194,10 @@ def test_bf16_cache_in_the_compute_dtype():
   cfg = dataclasses.replace(CFG, dtype="bfloat16", num_kv_heads=2)
   model, params = _init(cfg)
   cache = init_cache(cfg, 2, 12)
-  assert cache["k"][0].shape == (2, 12, 2, 8) and cache["k"][0].dtype == jnp.bfloat16
+  # PoPE's default cache holds the Cartesian keys, 2H wide (`ModelConfig.kv_cache_keys`).
+  assert cache["k"][0].shape == (2, 12, 2, 16) and cache["k"][0].dtype == jnp.bfloat16
+  assert init_cache(dataclasses.replace(cfg, kv_cache_keys="raw"), 2, 12)["k"][0].shape == (
+      2, 12, 2, 8)
   logits, cache = model.apply({"params": params}, TOKENS, cache=cache)
   full = model.apply({"params": params}, TOKENS)
   assert logits.dtype == jnp.float32 and int(cache["index"]) == 9
