@@ -45,7 +45,9 @@ class LlamaConfig:
       (reference, float32 scores), "cudnn" (NVIDIA GPUs: cuDNN flash attention; runs calls
       without cache, padding, explicit positions or sliding window, i.e. plain prefill and
       scoring, and raises NotImplementedError on the others), None (per call the first that
-      runs: cuDNN where it can, else "xla"); "pallas" has no RoPE kernel and raises.
+      runs: the decoding kernel or cuDNN where they can, else "xla"); "pallas" (Hopper: the
+      split-K decoding kernel, for calls of T <= 16 queries over a longer cache; raises on the
+      others).
     bos_token_id, eos_token_ids, pad_token_id: special ids from the checkpoint (may be None/empty).
   """
   model_type: str = "llama"

@@ -117,6 +117,7 @@ class _Plan:
   tiles_per_split: int
   stages: int
   row_tiles: int
+  store_rows: int      # rows of a tile's partial written back (T·G rounded up to 8 with one tile)
 
 
 def _plan(config: DecodeConfig, b: int, s: int, kh: int, rows: int, h: int, vd: int,
@@ -136,7 +137,8 @@ def _plan(config: DecodeConfig, b: int, s: int, kh: int, rows: int, h: int, vd: 
   fixed = ROWS * h * jnp.dtype(dtype).itemsize + ROWS * vd * jnp.dtype(dtype).itemsize + 3 * ROWS * 4
   fit = max(1, (st.smem_limit() - fixed - 4096) // _stage_bytes(bk, h, vd, dtype))
   stages = min(config.stages or 4, fit, per_split)
-  return _Plan(bk, splits, per_split, stages, row_tiles)
+  store_rows = ROWS if row_tiles > 1 else -(-rows // 8) * 8
+  return _Plan(bk, splits, per_split, stages, row_tiles, store_rows)
 
 
 def decode_attention(q, k, v, *, scale: float, key_mask, q_positions=None, k_positions=None,
@@ -206,7 +208,7 @@ def _decode(q, k, v, key_mask, q_positions, k_positions, *, plan: _Plan, scale: 
     k, v = jnp.pad(k, pad), jnp.pad(v, pad)
   ranges = _split_ranges(kpos, qpos.max(axis=1), plan)
   o, lse = _kernel_call(qr, k, v, qpos, kpos, ranges, plan=plan, scale=scale)
-  out = _combine(o, lse)                                            # [B, K, R, V] float32
+  out = _combine(o, lse)                                            # [B, K, R', V] float32
   out = out[:, :, :t * g].reshape(b, kh, t, g, vd).transpose(0, 2, 1, 3, 4)
   return out.reshape(b, t, n, vd).astype(q.dtype)
 
@@ -235,7 +237,8 @@ def _combine(o, lse):
 
 
 def _kernel_call(qr, k, v, qpos, kpos, ranges, *, plan: _Plan, scale: float):
-  """Runs the kernel: partial o [B, K, P, R, V] in q's dtype and lse [B, K, P, R] float32."""
+  """Runs the kernel: partial o [B, K, P, R', V] in q's dtype and lse [B, K, P, R'] float32,
+  R' = row tiles · `store_rows` (the padding rows past T·G, up to 8, are not written back)."""
   b, kh, rows, h = qr.shape
   vd, dtype, bk, stages = v.shape[-1], qr.dtype, plan.block_kv, plan.stages
   logit_scale = scale * _LOG2E
@@ -245,6 +248,7 @@ def _kernel_call(qr, k, v, qpos, kpos, ranges, *, plan: _Plan, scale: float):
     split, unit, batch = (lax.axis_index(a) for a in ("split", "unit", "batch"))
     head, row_tile = lax.div(unit, plan.row_tiles), lax.rem(unit, plan.row_tiles)
     row_slice = pl.ds(row_tile * ROWS, ROWS)
+    store_slice = pl.ds(row_tile * plan.store_rows, plan.store_rows)
     lo, hi = range_ref[batch, split, 0], range_ref[batch, split, 1]
 
     def fetch(tile, slot):
@@ -285,8 +289,9 @@ def _kernel_call(qr, k, v, qpos, kpos, ranges, *, plan: _Plan, scale: float):
     o_smem[...] = (acc / st.broadcast(l_safe, (ROWS, vd), 0)).astype(dtype)
     lse_smem[...] = jnp.where(empty, -jnp.inf, m_i + jnp.log(l_safe) * _LOG2E)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[batch, head, split, row_slice])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, split, row_slice])
+    stored = pl.ds(0, plan.store_rows)
+    plgpu.copy_smem_to_gmem(o_smem.at[stored], o_ref.at[batch, head, split, store_slice])
+    plgpu.copy_smem_to_gmem(lse_smem.at[stored], lse_ref.at[batch, head, split, store_slice])
     plgpu.wait_smem_to_gmem(0)
 
   scratch = (
@@ -300,8 +305,9 @@ def _kernel_call(qr, k, v, qpos, kpos, ranges, *, plan: _Plan, scale: float):
       plgpu.Barrier(num_arrivals=2),
       plgpu.Barrier(num_arrivals=3, num_barriers=stages),
   )
-  out_type = (jax.ShapeDtypeStruct((b, kh, plan.splits, rows, vd), dtype),
-              jax.ShapeDtypeStruct((b, kh, plan.splits, rows), jnp.float32))
+  stored = plan.row_tiles * plan.store_rows
+  out_type = (jax.ShapeDtypeStruct((b, kh, plan.splits, stored, vd), dtype),
+              jax.ShapeDtypeStruct((b, kh, plan.splits, stored), jnp.float32))
   return plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch,
       grid=(plan.splits, kh * plan.row_tiles, b), grid_names=("split", "unit", "batch"),
