@@ -53,18 +53,20 @@ class DecodeConfig:
   """The kernel's tuning knobs (behaviour never depends on them).
 
   Attributes:
-    block_kv: keys per streamed tile (a multiple of 64).
-    splits: None (enough key splits for `ctas_per_sm` CTAs on every SM), or the number of splits P.
-    stages: None (as many ring slots as fit in SMEM, at most 4), or the ring depth.
-    ctas_per_sm: the grid size the default splits aim for, per SM.
+    block_kv: keys per streamed tile (a multiple of 64); None: 128 where H + V <= 128, else 64
+      (so that two CTAs' rings fit in one SM's SMEM).
+    splits: None (enough key splits for `ctas_per_sm` CTAs per SM), or the number of splits P.
+    stages: None (as many ring slots as fit in half an SM's SMEM, 2 to 4), or the ring depth.
+    ctas_per_sm: the grid size the default splits aim for, per SM: several waves of CTAs, two
+      resident per SM, even out the splits' unequal work.
   """
-  block_kv: int = 128
+  block_kv: int | None = None
   splits: int | None = None
   stages: int | None = None
-  ctas_per_sm: int = 2
+  ctas_per_sm: int = 4
 
   def __post_init__(self):
-    if self.block_kv < 64 or self.block_kv % 64:
+    if self.block_kv is not None and (self.block_kv < 64 or self.block_kv % 64):
       raise ValueError(f"block_kv must be a positive multiple of 64, got {self.block_kv}")
     if self.splits is not None and self.splits < 1:
       raise ValueError(f"splits must be None or >= 1, got {self.splits}")
@@ -124,7 +126,7 @@ def _plan(config: DecodeConfig, b: int, s: int, kh: int, rows: int, h: int, vd: 
           dtype) -> _Plan:
   """The grid and ring for these shapes: splits so that B·K·row tiles·P CTAs fill
   `ctas_per_sm` CTAs per SM, each split a whole number of key tiles."""
-  bk = config.block_kv
+  bk = config.block_kv or (128 if h + vd <= 128 else 64)
   n_tiles = -(-s // bk)
   row_tiles = -(-rows // ROWS)
   if config.splits is None:
@@ -135,8 +137,8 @@ def _plan(config: DecodeConfig, b: int, s: int, kh: int, rows: int, h: int, vd: 
   per_split = -(-n_tiles // splits)
   splits = -(-n_tiles // per_split)
   fixed = ROWS * h * jnp.dtype(dtype).itemsize + ROWS * vd * jnp.dtype(dtype).itemsize + 3 * ROWS * 4
-  fit = max(1, (st.smem_limit() - fixed - 4096) // _stage_bytes(bk, h, vd, dtype))
-  stages = min(config.stages or 4, fit, per_split)
+  fit = (st.smem_limit() // 2 - fixed - 2048) // _stage_bytes(bk, h, vd, dtype)
+  stages = min(config.stages or min(4, max(2, fit)), per_split)
   store_rows = ROWS if row_tiles > 1 else -(-rows // 8) * 8
   return _Plan(bk, splits, per_split, stages, row_tiles, store_rows)
 

@@ -136,12 +136,15 @@ def test_bad_inputs_raise():
 
 
 def test_splits_fill_the_gpu():
-  """One sequence at 32k: the default plan gives 2 CTAs per SM (132 SMs) from the key splits."""
-  plan = kernel._plan(kernel.DecodeConfig(), 1, 32768, 12, 1, 64, 64, jnp.bfloat16)
-  ctas = plan.splits * 12 * plan.row_tiles
-  assert 264 <= ctas < 264 + 12 * plan.row_tiles * 2
-  assert plan.splits * plan.tiles_per_split * plan.block_kv >= 32768
-  assert plan.stages >= 2
+  """One sequence at 32k: the default plan's key splits give about 4 CTAs per SM (132 SMs), two
+  of whose rings fit in an SM's SMEM."""
+  for h, bk in ((64, 128), (128, 64)):  # RoPE, PoPE's Cartesian keys
+    plan = kernel._plan(kernel.DecodeConfig(), 1, 32768, 12, 1, h, 64, jnp.bfloat16)
+    ctas = plan.splits * 12 * plan.row_tiles
+    assert plan.block_kv == bk and 3 * 132 <= ctas <= 5 * 132, ctas
+    assert plan.splits * plan.tiles_per_split * plan.block_kv >= 32768
+    ring = plan.stages * kernel._stage_bytes(plan.block_kv, h, 64, jnp.bfloat16)
+    assert plan.stages >= 2 and 2 * ring < 227 * 1024
 
 
 @pytest.mark.parametrize("t, n, kh, h, vd", [(1, 12, 12, 64, 64), (7, 4, 2, 128, 64),
