@@ -67,7 +67,7 @@ class PositionalAttention(nn.Module):
       multiplier: None, scalar or [N] frequency multiplier for RoPE/PoPE (PI, LPES).
       key_mask: None or [B, T] bool, False for (left) padding tokens (no cache).
       cache: None, or this layer's view of a KV cache (`pope_jax.model.init_cache`): "k", "v"
-        [B, S, K, H] raw projections of the tokens so far; "positions" [B, S] int32 and "valid"
+        [B, S, K, H] of the tokens so far (keys raw or mapped, `kv_cache_keys`); "positions" [B, S] int32 and "valid"
         [B, S] bool, already holding the T new tokens; "index" [] int32, their first slot.
 
     Returns:

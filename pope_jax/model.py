@@ -7,16 +7,15 @@ Pure-functional Flax Linen:
     cache = init_cache(config, batch, max_len)
     logits, cache = model.apply({"params": params}, tokens, attention_mask=mask, cache=cache)
 
-KV cache (`init_cache`, laid out as `lpes_jax.llama`'s): per layer the raw key and value
-projections [B, S, K, H] in the compute dtype, with each slot's position and validity. For PoPE
-the raw keys are cached, not the magnitudes softplus(k) (same size; softplus is one cheap op) nor
-the Cartesian form [μ cos(sθ), μ sin(sθ)] (twice the key memory). Decoding is bound by reading
-the cache: at GPT-2-124M and 8k tokens the keys take 12·8192·768·2 B = 151 MB per row in bf16,
-302 MB in Cartesian form, beside 151 MB of values, while rebuilding cos/sin of the S angles costs
-O(S·H) flops per step next to the O(S·H) multiply-adds of the scores. Raw keys also keep the
-cache valid for any frequency multiplier passed per call (PI, LPES), and the cached path runs
-the math of the full forward (`pope_attention` with positions and a key mask; angles in float32
-from int32 positions).
+KV cache (`init_cache`, laid out as `lpes_jax.llama`'s): per layer the keys and values
+[B, S, K, H] in the compute dtype, with each slot's position and validity. The keys are those
+`ModelConfig.kv_cache_keys` names: "mapped" (default) as attention reads them, RoPE-rotated or
+PoPE's Cartesian form [μ cos(sθ), μ sin(sθ)] ([B, S, K, 2H]: at GPT-2-124M and 8k tokens
+302 MB per row in bf16 against 151 MB raw, beside 151 MB of values), mapped once when written,
+so a decoding step reads each cached key once (`attention.decode_attention`); "raw" the
+projections, mapped again over the whole cache at each step by `pope_attention` /
+`rope_attention` (half PoPE's key memory, and valid for any frequency multiplier passed per
+call). Both run the math of the full forward (angles in float32 from int32 positions).
 
 Padding and positions: left padding, `attention_mask` [B, T] (True = token). With a mask or a
 cache, positions default to cumsum(mask) − 1 per row (pads get 0), continued after the tokens
