@@ -23,7 +23,7 @@ PoPE (`pope_jax`):
   jsb                  — JSB Chorales benchmark; test NLL per token over seeds (PoPE App. A).
   sample_text          — sample text from a trained language model (KV cache, top-k/top-p).
   sample_chorale       — sample a chorale from a trained JSB model into a MIDI file.
-  bench_decode         — decode tokens/s, KV cache against recomputing, PoPE against RoPE.
+  bench_decode         — KV-cache decode tokens/s, PoPE against RoPE, against the bandwidth limit.
   score_bounds         — how many query tiles the fused kernel's magnitude bound covers.
 Kernel (`pallas_kernels`, GPU):
   bench_attention      — the fused Pallas PoPE attention kernel against the best XLA/cuDNN paths.

@@ -42,11 +42,13 @@ class LlamaConfig:
       `np.dtype("float16")`, "bf16", ...); stored as its canonical name "float32", "bfloat16" or
       "float16". Norms, RoPE angles, softmax and logits are float32 regardless.
     attention_implementation: `pope_jax.rope_attention`'s implementation, per call: None (the
-      default: per call the best available, cuDNN flash attention on NVIDIA GPUs sm80+ in
+      default: per call the best available: on Hopper the split-K decoding kernel for T <= 16
+      queries over a longer cache, then cuDNN flash attention on NVIDIA GPUs sm80+ in
       bf16/fp16, else "xla"), "xla" (the bit-reproducible reference, float32 scores), "cudnn"
       (cuDNN for every call, padded, cached and windowed included; NotImplementedError where it
-      cannot run, e.g. float32 or off NVIDIA GPUs) or "pallas" (no RoPE kernel: raises). Only
-      the name is checked here (`pope_jax.attention.check_implementation`).
+      cannot run, e.g. float32 or off NVIDIA GPUs) or "pallas" (Hopper: the split-K decoding
+      kernel, for calls of T <= 16 queries over a longer cache; raises on the others). Only the
+      name is checked here (`pope_jax.attention.check_implementation`).
     bos_token_id, eos_token_ids, pad_token_id: special ids from the checkpoint (may be None/empty).
   """
   model_type: str = "llama"

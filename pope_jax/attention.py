@@ -10,8 +10,10 @@ Both ops take one vocabulary, `implementation=` one of IMPLEMENTATIONS or None, 
             and multipliers act in the map, so only the mask reaches cuDNN: its own causal mask
             (and sliding window) where positions are the defaults with T == S and there is no
             key_mask or segment ids, else the boolean mask of `pope_jax.positions`.
-  "pallas"  PoPE only: the fused Mosaic GPU kernel in `pallas_kernels` (Hopper), imported lazily
-            so a CPU-only install imports fine; it takes `block_sizes`.
+  "pallas"  the Mosaic GPU kernels in `pallas_kernels` (Hopper), imported lazily so a CPU-only
+            install imports fine: PoPE's fused kernel (it takes `block_sizes`); and for decoding
+            (T <= 16 new queries against S > T keys, `_is_decode`) the split-K decoding kernel
+            on the mapped q and k, for PoPE and RoPE.
   None      the first of ORDER = ("pallas", "cudnn", "xla") that runs the inputs on this
             platform (`_pope_why_not` / `_rope_why_not`, the same check a named implementation
             runs).
@@ -30,6 +32,9 @@ masked row is not zero there: such rows are zeroed here. Masked keys must hold f
 
 Shape letters: B batch, T query length, S key length, N query heads, K kv heads (N % K == 0),
 H q/k head dim, V value head dim.
+
+`decode_attention` is the plain softmax attention of already-mapped queries and keys over a KV
+cache (a cache that holds rotated or Cartesian keys), with the same vocabulary.
 
 Positions, their defaults and masks are those of `pope_jax.positions` (causal by absolute
 position, queries bottom-right aligned by default, also for T > S, as FlashAttention), checked
@@ -167,18 +172,37 @@ def _masking(query, key, *, is_causal, q_positions, k_positions, key_mask, q_seg
   return _Masking(is_causal, q_pos, k_pos, key_mask, q_seg, kv_seg, local_window, default)
 
 
-def _pope_cartesian_qk(q, k, delta, *, base, masking: _Masking, multiplier):
-  """(q' [B, T, N, 2H], k' [B, S, K, 2H]) float32, PoPE's Cartesian maps (Eq. 7-10).
+def pope_map(x: Array, x_positions: Array, *, base: float = 10000.0, delta: Array | None = None,
+             multiplier: Array | float | None = None, num_heads: int | None = None) -> Array:
+  """Queries or keys [B, T, N|K, H] in PoPE's Cartesian form [B, T, N|K, 2H] float32 (PoPE Eq.
+  7-10), as every PoPE path maps them: a query (num_heads None) takes the phase -δ of its head
+  (δ [N, H], clamped); a key of a GQA group takes the multiplier of its group's first query head
+  (num_heads N, `encodings.kv_head_multiplier`)."""
+  if num_heads is None:
+    # δ enters the query phase with opposite sign: cos(sθ - (tθ - δ)) = cos((s - t)θ + δ), the
+    # paper's key-side bias, and every query head of a GQA group keeps its own δ.
+    phase = None if delta is None else -encodings.clamp_phase_bias(delta)
+    return encodings.pope_cartesian(x, x_positions, base=base, phase=phase, multiplier=multiplier)
+  kmult = encodings.kv_head_multiplier(multiplier, num_heads, x.shape[2])
+  return encodings.pope_cartesian(x, x_positions, base=base, multiplier=kmult)
 
-  δ enters the query phase with opposite sign: cos(sθ - (tθ - δ)) = cos((s - t)θ + δ), the same
-  score as the paper's key-side bias, and it lets every query head of a GQA group keep its own
-  δ."""
-  q_bias = None if delta is None else -encodings.clamp_phase_bias(delta)
-  qc = encodings.pope_cartesian(q, masking.q_positions, base=base, phase=q_bias,
-                                multiplier=multiplier)
-  kmult = encodings.kv_head_multiplier(multiplier, q.shape[2], k.shape[2])
-  kc = encodings.pope_cartesian(k, masking.k_positions, base=base, multiplier=kmult)
-  return qc, kc
+
+def rope_map(x: Array, x_positions: Array, *, base: float = 10000.0,
+             multiplier: Array | float | None = None, layout: encodings.RopeLayout = "half",
+             frequencies: Array | None = None, num_heads: int | None = None) -> Array:
+  """Queries or keys [B, T, N|K, H] rotated by position·θ (RoFormer Eq. 16), in x's dtype; keys
+  (num_heads N) take their GQA group's multiplier (`encodings.kv_head_multiplier`)."""
+  if num_heads is not None:
+    multiplier = encodings.kv_head_multiplier(multiplier, num_heads, x.shape[2])
+  return encodings.apply_rope(x, x_positions, base=base, multiplier=multiplier, layout=layout,
+                              frequencies=frequencies)
+
+
+def _pope_cartesian_qk(q, k, delta, *, base, masking: _Masking, multiplier):
+  """(q' [B, T, N, 2H], k' [B, S, K, 2H]) float32, PoPE's Cartesian maps (`pope_map`)."""
+  return (pope_map(q, masking.q_positions, base=base, delta=delta, multiplier=multiplier),
+          pope_map(k, masking.k_positions, base=base, multiplier=multiplier,
+                   num_heads=q.shape[2]))
 
 
 def _pope_xla(q, k, v, delta, *, base, masking, scale, multiplier, block_sizes):
@@ -195,6 +219,10 @@ def _pope_cudnn(q, k, v, delta, *, base, masking, scale, multiplier, block_sizes
 
 
 def _pope_pallas(q, k, v, delta, *, base, masking, scale, multiplier, block_sizes):
+  if _is_decode(q, k):
+    qc, kc = _pope_cartesian_qk(q, k, delta, base=base, masking=masking, multiplier=multiplier)
+    return _decode_pallas(qc.astype(q.dtype), kc.astype(k.dtype), v, scale=scale,
+                          masking=masking)
   del multiplier  # None: `_pope_why_not` refuses it, and key_mask and segment ids.
   from pallas_kernels import pope_attention as kernel  # Lazy: GPU-only dependency chain.
   with jax.ensure_compile_time_eval():  # concrete θ: the kernel's tables stay trace-time constants
@@ -303,10 +331,49 @@ def _cudnn_why_not(q, k, v, *, qk_width: int) -> str | None:
   return None
 
 
+def _is_decode(q: Array, k: Array) -> bool:
+  """Whether a call is decoding: T <= 16 new queries against S > T keys (`pallas_kernels.
+  decode_attention`)."""
+  return q.shape[1] <= 16 and q.shape[1] < k.shape[1]
+
+
+def _decode_why_not(implementation, q, k, v) -> str | None:
+  """Why `implementation` cannot run plain attention of mapped q, k over a cache, or None."""
+  if implementation == "cudnn":
+    return _cudnn_why_not(q, k, v, qk_width=q.shape[-1])
+  if implementation == "pallas":
+    from pallas_kernels import decode_attention as kernel  # Lazy: GPU-only dependency chain.
+    return kernel.unsupported_reason(q, k, v) or kernel.platform_reason()
+  return None
+
+
+def _decode_pallas(q, k, v, *, scale, masking: _Masking) -> Array:
+  """The split-K decoding kernel on mapped q, k with the call's key_mask and, when causal, its
+  positions (segment ids and windows are refused by the why_nots)."""
+  from pallas_kernels import decode_attention as kernel  # Lazy: GPU-only dependency chain.
+  b, t, s = q.shape[0], q.shape[1], k.shape[1]
+  key_mask = jnp.ones((b, s), bool) if masking.key_mask is None else masking.key_mask
+  q_pos = k_pos = None
+  if masking.is_causal:
+    q_pos = jnp.broadcast_to(jnp.asarray(masking.q_positions, jnp.int32), (b, t))
+    k_pos = jnp.broadcast_to(jnp.asarray(masking.k_positions, jnp.int32), (b, s))
+  return kernel.decode_attention(q, k, v, scale=scale, key_mask=key_mask, q_positions=q_pos,
+                                 k_positions=k_pos)
+
+
+def _mapped_shape(x: Array, width: int) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(x.shape[:-1] + (width,), x.dtype)
+
+
 def _pope_why_not(implementation, q, k, v, *, multiplier, key_mask, segment_ids) -> str | None:
   """Why PoPE `implementation` cannot run these inputs here, or None if it can."""
   if implementation == "cudnn":
     return _cudnn_why_not(q, k, v, qk_width=2 * q.shape[-1])
+  if implementation == "pallas" and _is_decode(q, k):
+    if segment_ids:
+      return "the pallas decoding kernel takes no segment ids; use implementation='cudnn' or 'xla'"
+    h2 = 2 * q.shape[-1]
+    return _decode_why_not("pallas", _mapped_shape(q, h2), _mapped_shape(k, h2), v)
   if implementation == "pallas":
     if multiplier is not None or key_mask is not None or segment_ids:
       return ("the pallas kernel takes no frequency multiplier, key_mask or segment ids yet; "
@@ -316,10 +383,13 @@ def _pope_why_not(implementation, q, k, v, *, multiplier, key_mask, segment_ids)
   return None
 
 
-def _rope_why_not(implementation, q, k, v) -> str | None:
+def _rope_why_not(implementation, q, k, v, *, local_window, segment_ids) -> str | None:
   """Why RoPE `implementation` cannot run these inputs here, or None if it can."""
   if implementation == "pallas":
-    return "there is no RoPE kernel in pallas_kernels; use implementation='cudnn' or 'xla'"
+    if not _is_decode(q, k) or local_window is not None or segment_ids:
+      return ("the pallas RoPE path is the decoding kernel (T <= 16 queries, S > T keys, no "
+              "local_window or segment ids); use implementation='cudnn' or 'xla'")
+    return _decode_why_not("pallas", q, k, v)
   if implementation == "cudnn":
     return _cudnn_why_not(q, k, v, qk_width=q.shape[-1])
   return None
@@ -459,8 +529,9 @@ def rope_attention(
       for T > S).
     local_window: None, or W: query t sees only keys with q_pos[t] - k_pos[s] < W (Mistral /
       Qwen2 `sliding_window`; `pope_jax.positions.attention_mask`).
-    implementation: None, "xla" or "cudnn" (see the module docstring; "pallas" raises). "cudnn"
-      rotates first, so positions and multipliers never reach cuDNN; any mask does.
+    implementation: None or one of IMPLEMENTATIONS (see the module docstring). "cudnn" rotates
+      first, so positions and multipliers never reach cuDNN; any mask does. "pallas" runs
+      decoding (T <= 16, S > T, no local_window or segment ids) on Hopper.
 
   Returns:
     [B, T, N, V] in the query's dtype.
@@ -473,17 +544,70 @@ def rope_attention(
   _check_qkv(query, key, value)
   _check_multiplier(multiplier, query)
   positions.check_local_window(local_window)
-  implementation = _choose("rope_attention", implementation, _rope_why_not, query, key, value)
+  implementation = _choose("rope_attention", implementation, _rope_why_not, query, key, value,
+                           local_window=local_window,
+                           segment_ids=q_segment_ids is not None or kv_segment_ids is not None)
   masking = _masking(query, key, is_causal=is_causal, q_positions=q_positions,
                      k_positions=k_positions, key_mask=key_mask, q_segment_ids=q_segment_ids,
                      kv_segment_ids=kv_segment_ids, local_window=local_window)
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-  rope = dict(base=base, layout=layout, frequencies=frequencies)
-  qr = encodings.apply_rope(query, masking.q_positions, multiplier=multiplier, **rope)
-  kmult = encodings.kv_head_multiplier(multiplier, query.shape[2], key.shape[2])
-  kr = encodings.apply_rope(key, masking.k_positions, multiplier=kmult, **rope)
-  if implementation == "cudnn":
+  rope = dict(base=base, layout=layout, frequencies=frequencies, multiplier=multiplier)
+  qr = rope_map(query, masking.q_positions, **rope)
+  kr = rope_map(key, masking.k_positions, num_heads=query.shape[2], **rope)
+  if implementation == "pallas":
+    out = _decode_pallas(qr, kr, value, scale=scale, masking=masking)
+  elif implementation == "cudnn":
     out = _cudnn_attention(qr, kr, value, masking=masking, scale=scale)
   else:
     out = dot_product_attention_reference(qr, kr, value, scale=scale, mask=masking.dense())
+  return out.astype(query.dtype)
+
+
+def decode_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    scale: float,
+    key_mask: Array,
+    q_positions: Array | None = None,
+    k_positions: Array | None = None,
+    implementation: str | None = None,
+) -> Array:
+  """Softmax attention of T new mapped queries over a KV cache of mapped keys (decoding).
+
+  The cache holds the keys already mapped (rotated by RoPE, or PoPE's Cartesian form, `rope_map`
+  / `pope_map`), so the step reads each cached key once.
+
+  Args:
+    query: [B, T, N, H] mapped queries; key: [B, S, K, H] mapped keys; value: [B, S, K, V].
+    scale: the logit scale.
+    key_mask: [B, S] bool, True for the cache's valid slots.
+    q_positions, k_positions: both None (every valid slot visible), or [B, T] and [B, S] int:
+      query t sees slot s iff k_pos[s] <= q_pos[t] (causal by position).
+    implementation: None or one of IMPLEMENTATIONS: "pallas" the split-K kernel
+      `pallas_kernels.decode_attention` (Hopper, T <= 16, bf16/fp16), "cudnn" cuDNN flash
+      attention with the mask as a bias, "xla" `dot_product_attention_reference`.
+
+  Returns:
+    [B, T, N, V] in the query's dtype; zero rows where no key is visible.
+
+  Raises:
+    ValueError: mismatched shapes, unknown implementation. NotImplementedError: a named
+    implementation that cannot run these inputs, saying why.
+  """
+  _check_qkv(query, key, value)
+  if (q_positions is None) != (k_positions is None):
+    raise ValueError("decode_attention takes both q_positions and k_positions, or neither")
+  implementation = _choose("decode_attention", implementation, _decode_why_not, query, key,
+                           value)
+  masking = _masking(query, key, is_causal=q_positions is not None, q_positions=q_positions,
+                     k_positions=k_positions, key_mask=key_mask, q_segment_ids=None,
+                     kv_segment_ids=None)
+  if implementation == "pallas":
+    out = _decode_pallas(query, key, value, scale=scale, masking=masking)
+  elif implementation == "cudnn":
+    out = _cudnn_attention(query, key, value, masking=masking, scale=scale)
+  else:
+    out = dot_product_attention_reference(query, key, value, scale=scale, mask=masking.dense())
   return out.astype(query.dtype)

@@ -67,9 +67,15 @@ class ModelConfig:
       with `pope_jax.train.cross_entropy_with_integer_labels`, which upcasts inside.
     attention_implementation: None (per call the best available: for PoPE the Pallas kernel on
       Hopper, else cuDNN on NVIDIA GPUs sm80+, else the XLA reference; for RoPE cuDNN, else the
-      reference) or one of `pope_jax.attention.IMPLEMENTATIONS` ("xla", "cudnn", "pallas"),
-      passed to every attention call as it is: a call it cannot run raises NotImplementedError
-      saying why (e.g. "pallas" with RoPE). Only the name is checked here.
+      reference; decoding steps take the split-K decoding kernel on Hopper) or one of
+      `pope_jax.attention.IMPLEMENTATIONS` ("xla", "cudnn", "pallas"), passed to every
+      attention call as it is: a call it cannot run raises NotImplementedError saying why (e.g.
+      "pallas" with a RoPE prefill). Only the name is checked here.
+    kv_cache_keys: what the KV cache (`pope_jax.model.init_cache`) holds as keys, for RoPE and
+      PoPE: "mapped" (default) the keys as attention reads them, rotated by RoPE or in PoPE's
+      Cartesian form [B, S, K, 2H] (twice the raw keys' memory), written once per token; "raw"
+      the projections [B, S, K, H], mapped again over the whole cache at every step (valid for
+      any multiplier passed per call). experiments.bench_decode times both.
     rope_layout: "half" (Hugging Face) or "interleaved".
     rope_yarn: None, or YaRN frequency interpolation and attention temperature (RoPE only).
     init_std: None keeps Flax's default initialisers (LeCun-normal projections, embedding std
@@ -94,6 +100,7 @@ class ModelConfig:
   dtype: Any = "float32"
   logits_dtype: Any = "float32"
   attention_implementation: str | None = None
+  kv_cache_keys: str = "mapped"
   rope_layout: str = "half"
   rope_yarn: YarnConfig | None = None
   init_std: float | None = 0.02
@@ -110,6 +117,9 @@ class ModelConfig:
       if not getattr(self, name) > 1.0:
         raise ValueError(f"ModelConfig.{name} must be > 1, got {getattr(self, name)!r}")
     check_implementation(self.attention_implementation, "ModelConfig.attention_implementation")
+    if self.kv_cache_keys not in ("mapped", "raw"):
+      raise ValueError(f"ModelConfig.kv_cache_keys must be 'mapped' or 'raw', got "
+                       f"{self.kv_cache_keys!r}")
     if self.pos_encoding not in POS_ENCODINGS:
       raise ValueError(
           f"ModelConfig.pos_encoding must be one of {POS_ENCODINGS}, got {self.pos_encoding!r}")

@@ -15,6 +15,11 @@ decoder on `decode`).
     bucket (one compilation serves prompts of similar length) and trims after the stop id.
   * `generate`: `generate_ids` for a `pope_jax.Transformer`.
 
+Each step's attention over the cache is `pope_jax.attention`'s: on Hopper, steps of T <= 16
+tokens run the split-K decoding kernel (`pallas_kernels.decode_attention`) with the default
+implementation; `ModelConfig.attention_implementation="xla"` keeps the reference. What the cache
+holds as keys, mapped (RoPE-rotated or PoPE-Cartesian) or raw, is `ModelConfig.kv_cache_keys`.
+
 Shape letters: B batch, T prompt length (left-padded), G new tokens, S cache length,
 V vocabulary, L layers, N query heads.
 """
@@ -186,15 +191,22 @@ def decode(
   return out, lengths
 
 
+# Default cache lengths are a multiple of this: the split-K decoding kernel's key tile
+# (`pallas_kernels.decode_attention`), so it reads the cache in place rather than a padded copy.
+CACHE_BLOCK = 128
+
+
 def cache_length(prompt_len: int, max_new_tokens: int, cache_len: int | None = None) -> int:
-  """The KV cache length S for T prompt and G new tokens: cache_len, default T + G.
+  """The KV cache length S for T prompt and G new tokens: cache_len, default T + G rounded up
+  to a multiple of CACHE_BLOCK.
 
   Raises:
     ValueError: max_new_tokens < 1, or T + G > cache_len (naming the limit).
   """
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-  cache_len = prompt_len + max_new_tokens if cache_len is None else cache_len
+  if cache_len is None:
+    cache_len = -(-(prompt_len + max_new_tokens) // CACHE_BLOCK) * CACHE_BLOCK
   if prompt_len + max_new_tokens > cache_len:
     raise ValueError(f"prompt of {prompt_len} tokens plus max_new_tokens={max_new_tokens} does "
                      f"not fit a KV cache of {cache_len} slots")
@@ -354,7 +366,7 @@ def transformer_decode(
   Args:
     config, params: the model.
     tokens: [B, T] int32 left-padded prompts; mask: [B, T] bool.
-    cache_len: S >= T + G (default T + G).
+    cache_len: S >= T + G (default T + G rounded up to a multiple of CACHE_BLOCK).
     Others: as in `decode`; rope_multipliers None, [], [L] or [L, N] float (traced).
 
   Returns:

@@ -31,9 +31,12 @@ class PositionalAttention(nn.Module):
     rope_yarn: None or a `config.YarnConfig`: RoPE uses YaRN frequencies and the logits are
       scaled by attention_factor² (q and k each by the factor, once).
     attention_implementation: None (best available) or one of `attention.IMPLEMENTATIONS`,
-      passed to `pope_attention` / `rope_attention` as it is: a named implementation that cannot
-      run a call raises NotImplementedError saying why. pos_encoding "none" always runs the
-      reference.
+      passed to `pope_attention` / `rope_attention` / `decode_attention` as it is: a named
+      implementation that cannot run a call raises NotImplementedError saying why.
+      pos_encoding "none" always runs the reference.
+    kv_cache_keys: "raw" (projections) or "mapped" (RoPE-rotated or PoPE-Cartesian keys, mapped
+      once when written; calls with a cache read them through `attention.decode_attention`):
+      what a cache's "k" holds (`pope_jax.config.ModelConfig.kv_cache_keys`).
     dtype: compute dtype as JAX users write it (`jnp.bfloat16`, `np.dtype("float32")`, "bf16",
       ...; `pope_jax.dtypes.canonical_dtype`).
     kernel_init, out_kernel_init: initialisers of the q/k/v and output projections (default:
@@ -49,6 +52,7 @@ class PositionalAttention(nn.Module):
   rope_layout: str = "half"
   rope_yarn: object | None = None
   attention_implementation: str | None = None
+  kv_cache_keys: str = "raw"
   dtype: Any = jnp.float32
   kernel_init: nn.initializers.Initializer = nn.linear.default_kernel_init
   out_kernel_init: nn.initializers.Initializer = nn.linear.default_kernel_init
@@ -67,8 +71,9 @@ class PositionalAttention(nn.Module):
       segment_ids: None or [B, T] int: packed documents, a token sees only its own segment's
         tokens (no cache).
       cache: None, or this layer's view of a KV cache (`pope_jax.model.init_cache`): "k", "v"
-        [B, S, K, H] raw projections of the tokens so far; "positions" [B, S] int32 and "valid"
-        [B, S] bool, already holding the T new tokens; "index" [] int32, their first slot.
+        [B, S, K, H] of the tokens so far (keys raw or mapped, `kv_cache_keys`); "positions"
+        [B, S] int32 and "valid" [B, S] bool, already holding the T new tokens; "index" []
+        int32, their first slot.
 
     Returns:
       [B, T, D] in `dtype`; with a cache, (that, (k, v)): the cache's keys and values with the T
@@ -83,6 +88,8 @@ class PositionalAttention(nn.Module):
     dense = lambda heads, name: nn.DenseGeneral(
         (heads, h), use_bias=False, dtype=dtype, name=name, kernel_init=self.kernel_init)
     q, k, v = dense(n, "query")(x), dense(kh, "key")(x), dense(kh, "value")(x)  # [B, T, N|K, H]
+    if cache is not None and self.kv_cache_keys == "mapped" and self.pos_encoding != "none":
+      q, k, scale = self._map(q, k, positions, multiplier)
     # Default positions stay None so the attention ops can use a fused kernel's own causal mask.
     k_positions = positions
     if cache is not None:
@@ -96,21 +103,17 @@ class PositionalAttention(nn.Module):
     if segment_ids is not None:
       common.update(q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
     ka, va = k.astype(dtype), v.astype(dtype)
-    if self.pos_encoding == "pope":
-      delta = self.param("delta", lambda key, shape: encodings.init_phase_bias(
-          key, shape, self.delta_init), (n, h))
+    if cache is not None and self.kv_cache_keys == "mapped" and self.pos_encoding != "none":
+      out = attention.decode_attention(
+          q.astype(dtype), ka, va, scale=scale, key_mask=key_mask, q_positions=positions,
+          k_positions=k_positions, implementation=self.attention_implementation)
+    elif self.pos_encoding == "pope":
+      delta = self._delta()
       out = attention.pope_attention(q, ka, va, delta, base=self.pope_base,
                                      implementation=self.attention_implementation, **common)
     elif self.pos_encoding == "rope":
-      yarn, rope = self.rope_yarn, {}
-      if yarn is not None:
-        rope["frequencies"] = encodings.yarn_frequencies(
-            h, self.rope_base, yarn.factor, yarn.original_max_position,
-            beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow)
-        rope["scale"] = encodings.yarn_attention_factor(
-            yarn.factor, yarn.attention_factor) ** 2 / math.sqrt(h)
       out = attention.rope_attention(
-          q, ka, va, base=self.rope_base, layout=self.rope_layout, **rope, **common,
+          q, ka, va, base=self.rope_base, layout=self.rope_layout, **self._rope_args(), **common,
           implementation=self.attention_implementation)
     elif self.pos_encoding == "none":
       q_pos = jnp.arange(x.shape[1], dtype=jnp.int32) if positions is None else positions
@@ -125,3 +128,33 @@ class PositionalAttention(nn.Module):
     out = nn.DenseGeneral(x.shape[-1], axis=(-2, -1), use_bias=False, dtype=dtype,
                           name="out", kernel_init=self.out_kernel_init)(out)
     return out if cache is None else (out, (k, v))
+
+  def _delta(self) -> Array:
+    """PoPE's phase bias δ [N, H] float32 (the "delta" parameter)."""
+    return self.param("delta", lambda key, shape: encodings.init_phase_bias(
+        key, shape, self.delta_init), (self.num_heads, self.head_dim))
+
+  def _rope_args(self) -> dict:
+    """RoPE's frequencies and logit scale under YaRN ({} without)."""
+    yarn, h = self.rope_yarn, self.head_dim
+    if yarn is None:
+      return {}
+    return {"frequencies": encodings.yarn_frequencies(
+                h, self.rope_base, yarn.factor, yarn.original_max_position,
+                beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow),
+            "scale": encodings.yarn_attention_factor(
+                yarn.factor, yarn.attention_factor) ** 2 / math.sqrt(h)}
+
+  def _map(self, q, k, positions, multiplier):
+    """(q, k mapped as the attention ops map them, the logit scale): PoPE's Cartesian form
+    (`attention.pope_map`) or RoPE's rotation (`attention.rope_map`) at `positions` [B, T]."""
+    n = self.num_heads
+    if self.pos_encoding == "pope":
+      kw = dict(base=self.pope_base, multiplier=multiplier)
+      return (attention.pope_map(q, positions, delta=self._delta(), **kw),
+              attention.pope_map(k, positions, num_heads=n, **kw), self.head_dim ** -0.5)
+    rope = self._rope_args()
+    scale = rope.pop("scale", self.head_dim ** -0.5)
+    kw = dict(base=self.rope_base, multiplier=multiplier, layout=self.rope_layout, **rope)
+    return (attention.rope_map(q, positions, **kw), attention.rope_map(k, positions, num_heads=n,
+                                                                      **kw), scale)

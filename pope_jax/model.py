@@ -7,16 +7,15 @@ Pure-functional Flax Linen:
     cache = init_cache(config, batch, max_len)
     logits, cache = model.apply({"params": params}, tokens, attention_mask=mask, cache=cache)
 
-KV cache (`init_cache`, laid out as `lpes_jax.llama`'s): per layer the raw key and value
-projections [B, S, K, H] in the compute dtype, with each slot's position and validity. For PoPE
-the raw keys are cached, not the magnitudes softplus(k) (same size; softplus is one cheap op) nor
-the Cartesian form [μ cos(sθ), μ sin(sθ)] (twice the key memory). Decoding is bound by reading
-the cache: at GPT-2-124M and 8k tokens the keys take 12·8192·768·2 B = 151 MB per row in bf16,
-302 MB in Cartesian form, beside 151 MB of values, while rebuilding cos/sin of the S angles costs
-O(S·H) flops per step next to the O(S·H) multiply-adds of the scores. Raw keys also keep the
-cache valid for any frequency multiplier passed per call (PI, LPES), and the cached path runs
-the math of the full forward (`pope_attention` with positions and a key mask; angles in float32
-from int32 positions).
+KV cache (`init_cache`, laid out as `lpes_jax.llama`'s): per layer the keys and values
+[B, S, K, H] in the compute dtype, with each slot's position and validity. The keys are those
+`ModelConfig.kv_cache_keys` names: "mapped" (default) as attention reads them, RoPE-rotated or
+PoPE's Cartesian form [μ cos(sθ), μ sin(sθ)] ([B, S, K, 2H]: at GPT-2-124M and 8k tokens
+302 MB per row in bf16 against 151 MB raw, beside 151 MB of values), mapped once when written,
+so a decoding step reads each cached key once (`attention.decode_attention`); "raw" the
+projections, mapped again over the whole cache at each step by `pope_attention` /
+`rope_attention` (half PoPE's key memory, and valid for any frequency multiplier passed per
+call). Both run the math of the full forward (angles in float32 from int32 positions).
 
 Padding and positions: left padding, `attention_mask` [B, T] (True = token). With a mask or a
 cache, positions default to cumsum(mask) − 1 per row (pads get 0), continued after the tokens
@@ -55,12 +54,18 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None)
     dtype: cache dtype (default: the compute dtype).
 
   Returns:
-    dict: "k", "v": tuples of L arrays [B, S, K, H] (raw projections, before RoPE/PoPE);
+    dict: "k", "v": tuples of L arrays [B, S, K, H]: values and the keys as
+    `ModelConfig.kv_cache_keys` says (mapped: RoPE-rotated, or PoPE's Cartesian form [B, S, K, 2H];
+    raw: the projections);
     "positions": [B, S] int32; "valid": [B, S] bool (False for pads and unwritten slots);
     "index": [] int32, the number of slots written.
   """
-  return empty_kv_cache(config.num_layers, batch, max_len, config.kv_heads, config.head_size,
-                        jnp.dtype(dtype or config.dtype))
+  cache = empty_kv_cache(config.num_layers, batch, max_len, config.kv_heads, config.head_size,
+                         jnp.dtype(dtype or config.dtype))
+  if config.pos_encoding == "pope" and config.kv_cache_keys == "mapped":  # Cartesian: 2H wide
+    cache["k"] = tuple(jnp.zeros(k.shape[:-1] + (2 * config.head_size,), k.dtype)
+                       for k in cache["k"])
+  return cache
 
 
 def initializers(config: ModelConfig) -> tuple[nn.initializers.Initializer, ...]:
@@ -94,6 +99,7 @@ class Block(nn.Module):
         pos_encoding=cfg.pos_encoding, rope_base=cfg.rope_base, pope_base=cfg.pope_base,
         delta_init=cfg.delta_init, rope_layout=cfg.rope_layout, rope_yarn=cfg.rope_yarn,
         attention_implementation=cfg.attention_implementation, dtype=dtype, name="attn",
+        kv_cache_keys=cfg.kv_cache_keys,
         kernel_init=kernel_init, out_kernel_init=residual_init,
     )(h, positions=positions, multiplier=multiplier, key_mask=key_mask, segment_ids=segment_ids,
       cache=cache)

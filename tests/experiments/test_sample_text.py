@@ -35,6 +35,13 @@ def test_sample_text_usage_errors(run_dir, tmp_path):
 def test_bench_decode_smoke(tmp_path):
   from experiments import bench_decode
   record = bench_decode.main(["--preset", "smoke", "--encodings", "pope", "--out", str(tmp_path)])
-  assert len(record["results"]) == 4
-  assert all(r["cached"] > 0 and r["recompute"] > 0 for r in record["results"])
-  assert "cached tokens/s" in (tmp_path / "results.md").read_text()
+  # PoPE's two cache layouts x fused and xla attention x two (context, batch) shapes.
+  assert len(record["results"]) == 8
+  assert {r["kv_cache_keys"] for r in record["results"]} == {"mapped", "raw"}
+  for r in record["results"]:
+    assert r["tokens_per_s"] > 0 and r["limit_tokens_per_s"] > 0 and r["step_bytes"] > 0
+  mapped, raw = (next(r for r in record["results"] if r["kv_cache_keys"] == k) for k in
+                 ("mapped", "raw"))
+  assert mapped["cache_bytes"] > raw["cache_bytes"]        # Cartesian keys: 2H wide
+  assert record["copy_bandwidth_bytes_per_s"] > 0
+  assert "of limit" in (tmp_path / "results.md").read_text()

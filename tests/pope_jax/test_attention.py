@@ -215,7 +215,7 @@ def test_output_dtype_follows_query():
     (lambda q, k, v, d: attention.pope_attention(q, k, v, d, implementation="pallas"),
      NotImplementedError, "pallas PoPE attention"),   # never a silent fallback (here: on CPU)
     (lambda q, k, v, d: attention.rope_attention(q, k, v, implementation="pallas"),
-     NotImplementedError, "no RoPE kernel"),
+     NotImplementedError, "decoding kernel"),
     (lambda q, k, v, d: attention.rope_attention(q, k[..., :4], v), ValueError, "head dim"),
     (lambda q, k, v, d: attention.pope_attention(q.astype(jnp.int32), k, v, d), TypeError,
      "query"),
@@ -262,7 +262,7 @@ def test_default_implementation_picks_the_kernel_only_where_it_runs(monkeypatch)
 
 @pytest.mark.parametrize("fn, impl, match", [
     (attention.pope_attention, "cudnn", "NVIDIA GPU"),                   # CPU
-    (attention.rope_attention, "pallas", "no RoPE kernel"),
+    (attention.rope_attention, "pallas", "decoding kernel"),
     (attention.pope_attention, "pallas", "Hopper"),                       # CPU
     (attention.rope_attention, "cudnn", "NVIDIA GPU")])                  # CPU
 def test_named_implementations_that_cannot_run_say_why(fn, impl, match):

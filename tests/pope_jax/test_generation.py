@@ -30,12 +30,14 @@ def _padded_tokens():
   return jnp.asarray(toks), jnp.asarray(mask)
 
 
-CASES = [(enc, mult, kv) for enc in ("rope", "pope") for mult in (False, True) for kv in (4, 2)]
+CASES = [(enc, mult, kv, keys) for enc in ("rope", "pope") for mult in (False, True)
+         for kv in (4, 2) for keys in ("mapped", "raw")]
 
 
-@pytest.mark.parametrize("encoding,mult,kv_heads", CASES + [("none", False, 2)])
-def test_cached_decoding_equals_full_forward_every_step(encoding, mult, kv_heads):
-  cfg, model, params = _model(pos_encoding=encoding, num_kv_heads=kv_heads)
+@pytest.mark.parametrize("encoding,mult,kv_heads,keys", CASES + [("none", False, 2, "mapped")])
+def test_cached_decoding_equals_full_forward_every_step(encoding, mult, kv_heads, keys):
+  """Both KV-cache layouts (`ModelConfig.kv_cache_keys`) give the full forward's logits."""
+  cfg, model, params = _model(pos_encoding=encoding, num_kv_heads=kv_heads, kv_cache_keys=keys)
   # [L, N], equal within each GQA group of 2 query heads.
   m = None if not mult else jnp.array([[1.0, 1.0, 0.5, 0.5], [0.25, 0.25, 2.0, 2.0]])
   toks, mask = _padded_tokens()
@@ -177,3 +179,33 @@ def test_decode_scan_and_loop_agree_and_report_progress():
                                 max_new_tokens=4, stop_ids=())
   np.testing.assert_array_equal(fixed, looped)
   assert sorted(seen) == [0, 1, 2, 3] and np.all(np.asarray(lengths) == 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("encoding,keys", [("pope", "mapped"), ("rope", "mapped"),
+                                           ("pope", "raw")])
+def test_decode_steps_run_the_decoding_kernel_by_default(encoding, keys, monkeypatch):
+  """In the Mosaic GPU interpreter, bf16 steps of T <= 16 tokens take the split-K kernel under
+  the default implementation, and match the "xla" reference's logits."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from pallas_kernels import decode_attention as kernel
+  calls = []
+  run = kernel.decode_attention
+  monkeypatch.setattr(kernel, "decode_attention", lambda *a, **kw: calls.append(1) or run(*a, **kw))
+  cfg, model, params = _model(pos_encoding=encoding, kv_cache_keys=keys, dtype="bfloat16",
+                              num_layers=1, num_heads=2, num_kv_heads=1, d_model=128)
+  toks, mask = _padded_tokens()
+  logits = {}
+  for impl in (None, "xla"):
+    c = dataclasses.replace(cfg, attention_implementation=impl)
+    step = generation.transformer_step(c, params)
+    cache = init_cache(c, 2, generation.cache_length(7, 3))
+    out = []
+    with plgpu.force_gpu_interpret_mode():
+      for start, n in ((0, 7), (7, 1), (8, 1)):
+        lg, cache = step(toks[:, start:start + n], mask[:, start:start + n], cache)
+        out.append(lg)
+    logits[impl] = jnp.stack(out)
+  assert len(calls) == 3                                  # one layer, three calls
+  np.testing.assert_allclose(logits[None], logits["xla"], atol=0.05 * float(
+      jnp.abs(logits["xla"]).max()), rtol=0)

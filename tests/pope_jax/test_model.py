@@ -141,7 +141,7 @@ def test_xla_attention_implementation_pins_rope_to_the_reference(monkeypatch):
   model = Transformer(ModelConfig(vocab_size=11, num_layers=1, d_model=16, num_heads=2,
                                   pos_encoding="rope", dtype="bfloat16",
                                   attention_implementation="pallas"))
-  with pytest.raises(NotImplementedError, match="no RoPE kernel"):
+  with pytest.raises(NotImplementedError, match="decoding kernel"):
     model.init(jax.random.key(0), tokens)
 
 
@@ -200,7 +200,10 @@ def test_bf16_cache_in_the_compute_dtype():
   cfg = dataclasses.replace(CFG, dtype="bfloat16", num_kv_heads=2)
   model, params = _init(cfg)
   cache = init_cache(cfg, 2, 12)
-  assert cache["k"][0].shape == (2, 12, 2, 8) and cache["k"][0].dtype == jnp.bfloat16
+  # PoPE's default cache holds the Cartesian keys, 2H wide (`ModelConfig.kv_cache_keys`).
+  assert cache["k"][0].shape == (2, 12, 2, 16) and cache["k"][0].dtype == jnp.bfloat16
+  assert init_cache(dataclasses.replace(cfg, kv_cache_keys="raw"), 2, 12)["k"][0].shape == (
+      2, 12, 2, 8)
   logits, cache = model.apply({"params": params}, TOKENS, cache=cache)
   full = model.apply({"params": params}, TOKENS)
   assert logits.dtype == jnp.float32 and int(cache["index"]) == 9
