@@ -124,7 +124,7 @@ def test_config_errors_name_the_field(kwargs, match):
 
 def test_xla_attention_implementation_pins_rope_to_the_reference(monkeypatch):
   """ModelConfig(attention_implementation="xla") keeps RoPE off cuDNN even where it would run;
-  "cudnn" and None run it; "pallas" (no RoPE kernel) raises, never remapped."""
+  "cudnn" and None run it; "pallas" (the decoding kernel only) raises, never remapped."""
   from pope_jax import attention
   monkeypatch.setattr(attention, "_gpu_capability", lambda: ("gpu", 9))
   monkeypatch.setattr(attention, "CUDNN_BACKEND", "no such backend")   # raises if chosen
