@@ -196,6 +196,11 @@ class TrainConfig:
     steps_per_call: optimiser steps fused into one jitted call with `lax.scan` (amortises dispatch).
     data_workers: grain worker processes (0 = in-process).
     fsdp: shard parameters and optimiser state over the devices (FSDP) instead of replicating.
+    select_split: None, or the name of an evaluation split (e.g. "valid") that selects a
+      checkpoint: at each periodic evaluation (every `eval_every` steps and at the end, on
+      `eval_batches` batches or the whole split) the parameters with the lowest loss on it so far
+      are kept in the checkpointed state beside the latest ones, and the results report every
+      split at that step as well as at the last.
   """
   steps: int
   batch_size: int
@@ -214,8 +219,13 @@ class TrainConfig:
   steps_per_call: int = 1
   data_workers: int = 0
   fsdp: bool = False
+  select_split: str | None = None
 
   def __post_init__(self):
+    if self.select_split is not None and not (isinstance(self.select_split, str)
+                                              and self.select_split):
+      raise ValueError(f"TrainConfig.select_split must be None or a split name, got "
+                       f"{self.select_split!r}")
     for name in ("steps", "batch_size", "eval_every", "checkpoint_every", "log_every",
                  "steps_per_call"):
       if getattr(self, name) <= 0:
