@@ -52,7 +52,8 @@ def _check_qkv(q: Array, k: Array, v: Array) -> None:
 
 
 def dot_product_attention_reference(
-    q: Array, k: Array, v: Array, *, scale: float, mask: Array | None = None
+    q: Array, k: Array, v: Array, *, scale: float, mask: Array | None = None,
+    dropout_rate: float = 0.0, dropout_rng: Array | None = None
 ) -> Array:
   """Softmax attention with materialised scores, float32 inside (the reference for every kernel).
 
@@ -60,6 +61,10 @@ def dot_product_attention_reference(
     q: [B, T, N, H]; k: [B, S, K, H]; v: [B, S, K, V]; N % K == 0 (GQA).
     scale: logit scale.
     mask: None or bool broadcastable to [B, T, S] (True = visible).
+    dropout_rate: p, dropout on the attention probabilities: each is zeroed with probability p,
+      the rest scaled by 1/(1 - p) (Vaswani et al. 2017, §5.4 applied to the weights, as in
+      BERT and GPT-2). 0 = none.
+    dropout_rng: a `jax.random` key, required when dropout_rate > 0.
 
   Returns:
     [B, T, N, V] float32. Rows with no visible key are zero. A key that no query sees (e.g. an
@@ -80,8 +85,21 @@ def dot_product_attention_reference(
     m = mask[:, None, None]
     probs = jax.nn.softmax(jnp.where(m, logits, -1e30), axis=-1) * m
     vf = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], vf, 0.0)       # [B, S, K, V]
+  if dropout_rate > 0.0:
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
+    probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
   out = jnp.einsum("bkgts,bskv->btkgv", probs, vf)
   return out.reshape(b, t, n, v.shape[-1])
+
+
+def _check_dropout(dropout_rate: float, dropout_rng: Array | None) -> None:
+  if not 0.0 <= dropout_rate < 1.0:
+    raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+  if dropout_rate > 0.0 and dropout_rng is None:
+    raise ValueError("dropout_rate > 0 needs a dropout_rng key")
+
+
+_DROPOUT_XLA_ONLY = "attention dropout runs only in the xla reference (dropout_rate > 0)"
 
 
 def _check_multiplier(multiplier, query: Array) -> None:
@@ -93,7 +111,7 @@ def _check_multiplier(multiplier, query: Array) -> None:
 
 
 def _pope_xla(q, k, v, delta, *, base, is_causal, q_positions, k_positions, scale, multiplier,
-              key_mask):
+              key_mask, dropout_rate=0.0, dropout_rng=None):
   mask = positions.attention_mask(q_positions, k_positions, is_causal=is_causal,
                                   k_valid=key_mask)
   # δ enters the query phase with opposite sign: cos(sθ - (tθ - δ)) = cos((s - t)θ + δ), the same
@@ -102,7 +120,8 @@ def _pope_xla(q, k, v, delta, *, base, is_causal, q_positions, k_positions, scal
   qc = encodings.pope_cartesian(q, q_positions, base=base, phase=q_bias, multiplier=multiplier)
   kmult = encodings.kv_head_multiplier(multiplier, q.shape[2], k.shape[2])
   kc = encodings.pope_cartesian(k, k_positions, base=base, multiplier=kmult)
-  return dot_product_attention_reference(qc, kc, v, scale=scale, mask=mask)
+  return dot_product_attention_reference(qc, kc, v, scale=scale, mask=mask,
+                                         dropout_rate=dropout_rate, dropout_rng=dropout_rng)
 
 
 def _check_delta(delta: Array, q: Array) -> Array:
@@ -142,8 +161,11 @@ def _gpu_capability() -> tuple[str, int]:
   return device.platform, major
 
 
-def _pope_why_not(implementation, q, k, v, *, multiplier, key_mask, **_) -> str | None:
+def _pope_why_not(implementation, q, k, v, *, multiplier, key_mask, dropout_rate=0.0,
+                  **_) -> str | None:
   """Why PoPE `implementation` cannot run these inputs here, or None if it can."""
+  if implementation != "xla" and dropout_rate > 0.0:
+    return _DROPOUT_XLA_ONLY
   if implementation == "cudnn":
     return "cuDNN has no PoPE score; use implementation='pallas' (Hopper GPUs) or 'xla'"
   if implementation == "pallas":
@@ -154,8 +176,11 @@ def _pope_why_not(implementation, q, k, v, *, multiplier, key_mask, **_) -> str 
   return None
 
 
-def _rope_why_not(implementation, q, k, v, *, plain, local_window, **_) -> str | None:
+def _rope_why_not(implementation, q, k, v, *, plain, local_window, dropout_rate=0.0,
+                  **_) -> str | None:
   """Why RoPE `implementation` cannot run these inputs here, or None if it can."""
+  if implementation != "xla" and dropout_rate > 0.0:
+    return _DROPOUT_XLA_ONLY
   if implementation == "pallas":
     return "there is no RoPE kernel in pallas_kernels; use implementation='cudnn' or 'xla'"
   if implementation == "cudnn":
@@ -200,6 +225,8 @@ def pope_attention(
     multiplier: Array | float | None = None,
     key_mask: Array | None = None,
     implementation: str | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
 ) -> Array:
   """PoPE attention: a_ts = Σ_c softplus(q_tc) softplus(k_sc) cos((s - t)θ_c + δ_c) (PoPE Eq. 5/6).
 
@@ -220,6 +247,8 @@ def pope_attention(
       query heads of a group must share one value (see `encodings.kv_head_multiplier`).
     key_mask: None or [B, S] bool, False for padding keys (left-padded batches).
     implementation: None, "xla" or "pallas" (see the module docstring; "cudnn" raises).
+    dropout_rate, dropout_rng: dropout on the attention probabilities (training; see
+      `dot_product_attention_reference`); xla only, None then picks it.
 
   Returns:
     [B, T, N, V] in the query's dtype.
@@ -233,15 +262,18 @@ def pope_attention(
   _check_qkv(query, key, value)
   _check_multiplier(multiplier, query)
   delta = None if delta is None else _check_delta(delta, query)
+  _check_dropout(dropout_rate, dropout_rng)
   implementation = _choose("pope_attention", implementation, _pope_why_not, query, key, value,
-                           multiplier=multiplier, key_mask=key_mask)
+                           multiplier=multiplier, key_mask=key_mask, dropout_rate=dropout_rate)
+  dropout = ({} if dropout_rate == 0.0 else
+             {"dropout_rate": dropout_rate, "dropout_rng": dropout_rng})
   q_pos, k_pos, key_mask = positions.resolve(
       query.shape[0], query.shape[1], key.shape[1], q_positions, k_positions, key_mask,
       keep_numpy=implementation == "pallas")
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
   out = POPE_IMPLEMENTATIONS[implementation](
       query, key, value, delta, base=base, is_causal=is_causal, q_positions=q_pos,
-      k_positions=k_pos, scale=scale, multiplier=multiplier, key_mask=key_mask)
+      k_positions=k_pos, scale=scale, multiplier=multiplier, key_mask=key_mask, **dropout)
   return out.astype(query.dtype)
 
 
@@ -261,6 +293,8 @@ def rope_attention(
     key_mask: Array | None = None,
     local_window: int | None = None,
     implementation: str | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
 ) -> Array:
   """RoPE attention (RoFormer Eq. 16): rotate q and k by position·θ, then softmax attention.
 
@@ -277,6 +311,8 @@ def rope_attention(
     implementation: None, "xla" or "cudnn" (see the module docstring; "pallas" raises). "cudnn"
       runs default positions with T == S, no key_mask or local_window, one bf16/fp16 dtype and
       V == H <= 128, on NVIDIA GPUs sm80+ (cuDNN's own top-left causal mask is exact there).
+    dropout_rate, dropout_rng: dropout on the attention probabilities (training; see
+      `dot_product_attention_reference`); xla only, None then picks it.
 
   Returns:
     [B, T, N, V] in the query's dtype.
@@ -289,10 +325,11 @@ def rope_attention(
   _check_qkv(query, key, value)
   _check_multiplier(multiplier, query)
   positions.check_local_window(local_window)
+  _check_dropout(dropout_rate, dropout_rng)
   plain = (q_positions is None and k_positions is None and key_mask is None
            and query.shape[1] == key.shape[1])
   implementation = _choose("rope_attention", implementation, _rope_why_not, query, key, value,
-                           plain=plain, local_window=local_window)
+                           plain=plain, local_window=local_window, dropout_rate=dropout_rate)
   q_pos, k_pos, key_mask = positions.resolve(
       query.shape[0], query.shape[1], key.shape[1], q_positions, k_positions, key_mask)
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
@@ -305,7 +342,8 @@ def rope_attention(
                                         implementation=CUDNN_BACKEND)
   mask = positions.attention_mask(q_pos, k_pos, is_causal=is_causal, k_valid=key_mask,
                                   local_window=local_window)
-  return dot_product_attention_reference(qr, kr, value, scale=scale, mask=mask
+  return dot_product_attention_reference(qr, kr, value, scale=scale, mask=mask,
+                                         dropout_rate=dropout_rate, dropout_rng=dropout_rng
                                          ).astype(query.dtype)
 
 

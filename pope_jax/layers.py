@@ -36,6 +36,8 @@ class PositionalAttention(nn.Module):
       ...; `pope_jax.dtypes.canonical_dtype`).
     kernel_init, out_kernel_init: initialisers of the q/k/v and output projections (default:
       Flax's LeCun normal).
+    dropout_rate: dropout on the attention probabilities when not `deterministic` (a "dropout"
+      rng); it runs in the XLA reference attention only.
   """
   num_heads: int
   num_kv_heads: int
@@ -50,11 +52,12 @@ class PositionalAttention(nn.Module):
   dtype: Any = jnp.float32
   kernel_init: nn.initializers.Initializer = nn.linear.default_kernel_init
   out_kernel_init: nn.initializers.Initializer = nn.linear.default_kernel_init
+  dropout_rate: float = 0.0
 
   @nn.compact
   def __call__(self, x: Array, *, positions: Array | None = None,
                multiplier: Array | None = None, key_mask: Array | None = None,
-               cache: dict[str, Array] | None = None):
+               cache: dict[str, Array] | None = None, deterministic: bool = True):
     """Causal self-attention, optionally over a KV cache.
 
     Args:
@@ -65,6 +68,7 @@ class PositionalAttention(nn.Module):
       cache: None, or this layer's view of a KV cache (`pope_jax.model.init_cache`): "k", "v"
         [B, S, K, H] raw projections of the tokens so far; "positions" [B, S] int32 and "valid"
         [B, S] bool, already holding the T new tokens; "index" [] int32, their first slot.
+      deterministic: no attention dropout (pass False with a "dropout" rng to train).
 
     Returns:
       [B, T, D] in `dtype`; with a cache, (that, (k, v)): the cache's keys and values with the T
@@ -86,12 +90,16 @@ class PositionalAttention(nn.Module):
                   multiplier=multiplier)
     if key_mask is not None:
       common["key_mask"] = key_mask
+    dropout = {}
+    if not deterministic and self.dropout_rate > 0.0:
+      dropout = {"dropout_rate": self.dropout_rate, "dropout_rng": self.make_rng("dropout")}
     ka, va = k.astype(dtype), v.astype(dtype)
     if self.pos_encoding == "pope":
       delta = self.param("delta", lambda key, shape: encodings.init_phase_bias(
           key, shape, self.delta_init), (n, h))
       out = attention.pope_attention(q, ka, va, delta, base=self.pope_base,
-                                     implementation=self.attention_implementation, **common)
+                                     implementation=self.attention_implementation, **common,
+                                     **dropout)
     elif self.pos_encoding == "rope":
       yarn, rope = self.rope_yarn, {}
       if yarn is not None:
@@ -101,7 +109,7 @@ class PositionalAttention(nn.Module):
         rope["scale"] = encodings.yarn_attention_factor(
             yarn.factor, yarn.attention_factor) ** 2 / math.sqrt(h)
       out = attention.rope_attention(
-          q, ka, va, base=self.rope_base, layout=self.rope_layout, **rope, **common,
+          q, ka, va, base=self.rope_base, layout=self.rope_layout, **rope, **common, **dropout,
           implementation="xla" if self.attention_implementation == "xla" else None)
     elif self.pos_encoding == "none":
       q_pos = jnp.arange(x.shape[1], dtype=jnp.int32) if positions is None else positions
@@ -109,7 +117,7 @@ class PositionalAttention(nn.Module):
       mask = positions_lib.attention_mask(jnp.asarray(q_pos), jnp.asarray(k_pos),
                                           is_causal=True, k_valid=key_mask)
       out = attention.dot_product_attention_reference(
-          q, ka, va, scale=h ** -0.5, mask=mask).astype(dtype)
+          q, ka, va, scale=h ** -0.5, mask=mask, **dropout).astype(dtype)
     else:
       raise ValueError(f"pos_encoding must be 'rope', 'pope' or 'none', got {self.pos_encoding!r}")
     out = nn.DenseGeneral(x.shape[-1], axis=(-2, -1), use_bias=False, dtype=dtype,

@@ -92,7 +92,9 @@ class Block(nn.Module):
         delta_init=cfg.delta_init, rope_layout=cfg.rope_layout, rope_yarn=cfg.rope_yarn,
         attention_implementation=cfg.attention_implementation, dtype=dtype, name="attn",
         kernel_init=kernel_init, out_kernel_init=residual_init,
-    )(h, positions=positions, multiplier=multiplier, key_mask=key_mask, cache=cache)
+        dropout_rate=cfg.attention_dropout,
+    )(h, positions=positions, multiplier=multiplier, key_mask=key_mask, cache=cache,
+      deterministic=deterministic)
     if cache is not None:
       h, kv = h
     x = x + nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
