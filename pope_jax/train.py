@@ -2,7 +2,9 @@
 
 `train_and_evaluate(model_config, train_config, train_source=..., eval_sources=..., workdir=...)`
 trains a `pope_jax.Transformer` on records {"inputs": int32[T], "targets": int32[T],
-"weights": float32[T]} from a grain random-access source. The loss is the weighted mean next-token
+"weights": float32[T]} from a grain random-access source. Records of packed documents also carry
+"segment_ids" and "positions" int32[T] (`pope_jax.data.packing`), passed to the model so that no
+token attends across a document boundary. The loss is the weighted mean next-token
 cross-entropy (weights select e.g. the final target token of indirect indexing, or every token of
 language modelling); evaluation reports "loss" (mean NLL per weighted token) and "accuracy"
 (weighted argmax accuracy) per split.
@@ -152,6 +154,16 @@ def _cross_entropy_bwd(res, g):
 cross_entropy_with_integer_labels.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
+# Record fields passed to the model beside the tokens, where a source gives them.
+MODEL_INPUTS = ("positions", "segment_ids")
+
+
+def apply_model(model: Transformer, params: Any, batch: Batch, **kw) -> Array:
+  """Logits [B, T, V] of `batch["inputs"]` [B, T], with its positions and segment ids if any."""
+  extra = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+  return model.apply({"params": params}, batch["inputs"], **extra, **kw)
+
+
 def weighted_metrics(logits: Array, batch: Batch) -> dict[str, Array]:
   """Sums of weighted NLL, correct predictions and weights over a batch.
 
@@ -226,7 +238,7 @@ def make_train_step(model: Transformer, cfg: TrainConfig):
   optimizer = make_optimizer(cfg)
 
   def loss_fn(params, batch, dropout_key):
-    logits = model.apply({"params": params}, batch["inputs"], deterministic=False,
+    logits = apply_model(model, params, batch, deterministic=False,
                          rngs={"dropout": dropout_key})
     m = weighted_metrics(logits, batch)
     return m["nll_sum"] / jnp.maximum(m["weight_sum"], 1.0), m
@@ -254,7 +266,7 @@ def make_train_step(model: Transformer, cfg: TrainConfig):
 def make_eval_step(model: Transformer):
   """`eval_step(params [M, ...], batch [B, T]) -> metric sums [M]`."""
   def eval_step(params, batch):
-    return weighted_metrics(model.apply({"params": params}, batch["inputs"]), batch)
+    return weighted_metrics(apply_model(model, params, batch), batch)
   return jax.vmap(eval_step, in_axes=(0, None))
 
 
