@@ -70,3 +70,12 @@ def test_jsb_smoke_trains_packed(tmp_path):
   summary = cli.main(["--preset", "smoke", "--pack", "--out", str(tmp_path), "--no-progress",
                       "--encodings", "pope"])
   assert 0 < summary["pope"] < 10
+
+
+@needs_segment_ids
+@pytest.mark.slow
+def test_language_model_smoke_trains_packed(tmp_path):
+  from experiments import language_model as cli
+  summary = cli.main(["--preset", "smoke", "--pack", "--out", str(tmp_path), "--no-progress",
+                      "--encodings", "rope"])
+  assert 1 < summary["rope"] < 1000 and (tmp_path / "rope_packed" / "result.json").exists()
