@@ -28,12 +28,12 @@ from lpes_jax.tasks.task import add_task_flags, task_config
 from lpes_jax.tokenizer import load_tokenizer
 from pope_jax import reporting
 
-# (model, TrainConfig): "checkpoint" loads --model; "tiny" is a random 2-layer Llama with the
-# tokenizer of --model.
+# (model, RouterTrainConfig): "checkpoint" loads --model; "tiny" is a random 2-layer Llama with
+# the tokenizer of --model.
 PRESETS = {
-    "smoke": ("tiny", moice_training.TrainConfig(steps=2, batch_size=4, micro_batch=2,
-                                                 learning_rate=1e-2)),
-    "h200": ("checkpoint", moice_training.TrainConfig()),
+    "smoke": ("tiny", moice_training.RouterTrainConfig(steps=2, batch_size=4, micro_batch=2,
+                                                       learning_rate=1e-2)),
+    "h200": ("checkpoint", moice_training.RouterTrainConfig()),
 }
 PRESET_HELP = {
     "smoke": "random 2-layer Llama (width 64), 2 steps of 4 sequences: seconds on CPU",
@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def train_config(p: argparse.ArgumentParser, args: argparse.Namespace
-                 ) -> moice_training.TrainConfig:
-  """The preset's TrainConfig with the flags' overrides (bad combinations: usage errors)."""
+                 ) -> moice_training.RouterTrainConfig:
+  """The preset's RouterTrainConfig with the flags' overrides (bad combinations: usage errors)."""
   _, tcfg = PRESETS[args.preset]
   over = {k: v for k, v in (("steps", args.steps), ("batch_size", args.batch_size),
                             ("micro_batch", args.micro_batch),
@@ -91,7 +91,7 @@ def main(argv=None) -> None:
     run(args, tcfg)
 
 
-def run(args: argparse.Namespace, tcfg: moice_training.TrainConfig) -> None:
+def run(args: argparse.Namespace, tcfg: moice_training.RouterTrainConfig) -> None:
   """Loads the model and tokenizer, builds the data, trains, writes the reports to --out."""
   tok = load_tokenizer(args.model)
   kind, _ = PRESETS[args.preset]

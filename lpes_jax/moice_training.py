@@ -1,7 +1,7 @@
 """Router-only training of MoICE (`lpes_jax.moice`): data, loss, jitted optax step, orbax loop.
 
     data = kv_training_data(task, tok, config, num_examples=896, seed=1000)
-    result = train_routers(config, params, data, mcfg, TrainConfig(...), workdir)
+    result = train_routers(config, params, data, mcfg, RouterTrainConfig(...), workdir)
 
 The released recipe (github.com/p1nksnow/MoICE `training/train.sh`): the model frozen, only the
 routers trained, the causal LM loss on every token of prompt + answer (`--pretrain_loss True`)
@@ -44,7 +44,7 @@ Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainConfig:
+class RouterTrainConfig:
   """Router training settings (defaults: the released recipe).
 
   Attributes:
@@ -65,12 +65,12 @@ class TrainConfig:
   def __post_init__(self):
     for name in ("steps", "batch_size", "micro_batch"):
       if getattr(self, name) < 1:
-        raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        raise ValueError(f"RouterTrainConfig.{name} must be >= 1, got {getattr(self, name)}")
     if self.batch_size % self.micro_batch:
-      raise ValueError(f"TrainConfig.batch_size ({self.batch_size}) must be a multiple of "
+      raise ValueError(f"RouterTrainConfig.batch_size ({self.batch_size}) must be a multiple of "
                        f"micro_batch ({self.micro_batch})")
     if not self.learning_rate > 0 or not self.max_grad_norm > 0:
-      raise ValueError(f"TrainConfig.learning_rate and max_grad_norm must be > 0, got "
+      raise ValueError(f"RouterTrainConfig.learning_rate and max_grad_norm must be > 0, got "
                        f"{self.learning_rate}, {self.max_grad_norm}")
 
 
@@ -140,7 +140,7 @@ def moice_loss(routers: moice.Routers, params: Any, tokens: Array, mask: Array,
   return loss, {"loss": loss, "lm_loss": lm, "aux_loss": aux}
 
 
-def make_optimizer(tcfg: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(tcfg: RouterTrainConfig) -> optax.GradientTransformation:
   """Clip the global gradient norm, then AdamW (betas 0.9, 0.999, eps 1e-8, no weight decay)."""
   return optax.chain(optax.clip_by_global_norm(tcfg.max_grad_norm),
                      optax.adamw(tcfg.learning_rate, b1=0.9, b2=0.999, eps=1e-8,
@@ -173,7 +173,7 @@ def make_train_step(config: LlamaConfig, mcfg: moice.MoiceConfig,
 
 
 def train_routers(config: LlamaConfig, params: Any, data: TrainData, mcfg: moice.MoiceConfig,
-                  tcfg: TrainConfig, workdir: str | Path, *, run_info: dict,
+                  tcfg: RouterTrainConfig, workdir: str | Path, *, run_info: dict,
                   resume: bool = False, log: Callable[[str], None] = print) -> dict:
   """Trains the routers and writes `workdir/routers` + `moice.json` (`moice.save_routers`).
 

@@ -206,7 +206,8 @@ def keep_best(best: dict, params: Any, loss: Array, step: Array) -> dict:
   better = loss < best["loss"]                                          # [M]
   pick = lambda new, old: jnp.where(better.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
   return {"params": jax.tree.map(pick, params, best["params"]),
-          "step": jnp.where(better, step, best["step"]), "loss": jnp.where(better, loss, best["loss"])}
+          "step": jnp.where(better, step, best["step"]),
+          "loss": jnp.where(better, loss, best["loss"])}
 
 
 def state_shardings(state: TrainState, mesh: Mesh, fsdp: bool):

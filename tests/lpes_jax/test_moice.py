@@ -191,7 +191,8 @@ def test_router_gradient_matches_finite_differences(params):
 def test_training_lowers_the_loss_and_changes_only_the_routers(params):
   tokens, mask = _batch(b=4, t=12)
   tokens, mask = tokens.reshape(2, 2, 12), mask.reshape(2, 2, 12)
-  tcfg = moice_training.TrainConfig(steps=6, batch_size=4, micro_batch=2, learning_rate=3e-2)
+  tcfg = moice_training.RouterTrainConfig(steps=6, batch_size=4, micro_batch=2,
+                                          learning_rate=3e-2)
   opt = moice_training.make_optimizer(tcfg)
   step = moice_training.make_train_step(CFG, MCFG, opt)
   routers = start = _routers(std=0.02)
@@ -272,7 +273,7 @@ def test_bad_moice_config(kwargs, message):
 
 def test_bad_train_config():
   with pytest.raises(ValueError, match="batch_size .* multiple of micro_batch"):
-    moice_training.TrainConfig(batch_size=6, micro_batch=4)
+    moice_training.RouterTrainConfig(batch_size=6, micro_batch=4)
 
 
 def test_lpes_eval_generator_decodes_with_the_saved_routers(params, tmp_path):

@@ -1,4 +1,4 @@
-"""Dropout on the attention probabilities: the xla reference only, unbiased, refused by fused paths."""
+"""Dropout on the attention probabilities: xla reference only, unbiased, refused by fused paths."""
 
 import dataclasses
 import math
