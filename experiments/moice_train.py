@@ -91,16 +91,22 @@ def main(argv=None) -> None:
     run(args, tcfg)
 
 
-def run(args: argparse.Namespace, tcfg: moice_training.RouterTrainConfig) -> None:
-  """Loads the model and tokenizer, builds the data, trains, writes the reports to --out."""
-  tok = load_tokenizer(args.model)
-  kind, _ = PRESETS[args.preset]
+def load_model(model: str, kind: str, dtype: str):
+  """(tokenizer, LlamaConfig, params): the --model checkpoint ("checkpoint"), or a random
+  2-layer Llama with its tokenizer ("tiny")."""
+  tok = load_tokenizer(model)
   if kind == "checkpoint":
-    config, params = load_checkpoint(args.model, dtype=args.dtype)
+    config, params = load_checkpoint(model, dtype=dtype)
   else:
-    config = LlamaConfig(vocab_size=tok.vocab_size, dtype=args.dtype,
+    config = LlamaConfig(vocab_size=tok.vocab_size, dtype=dtype,
                          eos_token_ids=tuple(tok.eos_ids), pad_token_id=tok.pad_id, **TINY)
     params = init_params(config, jax.random.key(0), scale=0.1)
+  return tok, config, params
+
+
+def run(args: argparse.Namespace, tcfg: moice_training.RouterTrainConfig) -> None:
+  """Loads the model and tokenizer, builds the data, trains, writes the reports to --out."""
+  tok, config, params = load_model(args.model, PRESETS[args.preset][0], args.dtype)
   mcfg = moice.paper_config(config.rope_theta)
   task = task_config(args)
   data = moice_training.kv_training_data(task, tok, config,
