@@ -111,3 +111,16 @@ def test_sweep_smoke_writes_the_grid_and_the_best_routers(gguf, tmp_path):
   moice.load_moice_config(out / "best")
   for name in ("results.md", "results.json", "loss.png", "heldout.png"):
     assert (out / name).is_file()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--heldout-seed", "1000"], "--heldout-seed must differ from --seed"),
+    (["--budgets", "7,0"], "--budgets: expected comma-separated positive integers"),
+    (["--learning-rates", "1e-3,-1"], "--learning-rates: expected comma-separated positive numbers"),
+    (["--task", "mdqa", "--mdqa-file", __file__], "--task: MoICE trains on KV retrieval"),
+])
+def test_moice_sweep_flags(model, capsys, tmp_path, flags, message):
+  from experiments import moice_sweep
+  err = _usage_error(capsys, moice_sweep.main, model + ["--out", str(tmp_path / "o")] + flags)
+  assert message in err
+  assert not (tmp_path / "o").exists()
