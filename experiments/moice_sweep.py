@@ -27,7 +27,7 @@ import math
 import time
 from pathlib import Path
 
-from experiments import common, moice_train
+from experiments import common
 from lpes_jax import moice, moice_training
 from lpes_jax.llama import num_params
 from lpes_jax.tasks.task import add_task_flags, task_config
@@ -111,7 +111,8 @@ def _lr_name(lr: float) -> str:
 def run(args: argparse.Namespace, sweep: Sweep) -> dict:
   """Trains one run per learning rate, chooses by held-out loss, writes the reports."""
   out = Path(args.out)
-  tok, config, params = moice_train.load_model(args.model, sweep.model, args.dtype)
+  tok, config, params = moice_training.load_model(args.model, tiny=sweep.model == "tiny",
+                                                  dtype=args.dtype)
   mcfg = moice.paper_config(config.rope_theta)
   task = task_config(args)
   data = moice_training.kv_training_data(task, tok, config, num_examples=sweep.train_examples,

@@ -21,11 +21,8 @@ import jax
 
 from experiments import common
 from lpes_jax import moice, moice_training
-from lpes_jax.checkpoints import load_checkpoint
-from lpes_jax.config import LlamaConfig
-from lpes_jax.llama import init_params, num_params
+from lpes_jax.llama import num_params
 from lpes_jax.tasks.task import add_task_flags, task_config
-from lpes_jax.tokenizer import load_tokenizer
 from pope_jax import reporting
 
 # (model, RouterTrainConfig): "checkpoint" loads --model; "tiny" is a random 2-layer Llama with
@@ -39,8 +36,6 @@ PRESET_HELP = {
     "smoke": "random 2-layer Llama (width 64), 2 steps of 4 sequences: seconds on CPU",
     "h200": "the --model checkpoint, the released recipe: 7 steps of 128 sequences, lr 1e-4",
 }
-TINY = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-            head_dim=16, rope_theta=100000.0, max_position_embeddings=8192)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,22 +86,10 @@ def main(argv=None) -> None:
     run(args, tcfg)
 
 
-def load_model(model: str, kind: str, dtype: str):
-  """(tokenizer, LlamaConfig, params): the --model checkpoint ("checkpoint"), or a random
-  2-layer Llama with its tokenizer ("tiny")."""
-  tok = load_tokenizer(model)
-  if kind == "checkpoint":
-    config, params = load_checkpoint(model, dtype=dtype)
-  else:
-    config = LlamaConfig(vocab_size=tok.vocab_size, dtype=dtype,
-                         eos_token_ids=tuple(tok.eos_ids), pad_token_id=tok.pad_id, **TINY)
-    params = init_params(config, jax.random.key(0), scale=0.1)
-  return tok, config, params
-
-
 def run(args: argparse.Namespace, tcfg: moice_training.RouterTrainConfig) -> None:
   """Loads the model and tokenizer, builds the data, trains, writes the reports to --out."""
-  tok, config, params = load_model(args.model, PRESETS[args.preset][0], args.dtype)
+  tok, config, params = moice_training.load_model(
+      args.model, tiny=PRESETS[args.preset][0] == "tiny", dtype=args.dtype)
   mcfg = moice.paper_config(config.rope_theta)
   task = task_config(args)
   data = moice_training.kv_training_data(task, tok, config,

@@ -34,10 +34,12 @@ import optax
 import orbax.checkpoint as ocp
 
 from lpes_jax import moice
+from lpes_jax.checkpoints import load_checkpoint
 from lpes_jax.config import LlamaConfig
-from lpes_jax.llama import Llama
+from lpes_jax.llama import Llama, init_params
 from lpes_jax.tasks.task import (ANSWER_PREFIX, TaskConfig, answer_text, encode_prompt,
                                  num_items, task_examples)
+from lpes_jax.tokenizer import load_tokenizer
 from pope_jax import atomic, generation
 from pope_jax import train as pope_train
 
@@ -73,6 +75,23 @@ class RouterTrainConfig:
     if not self.learning_rate > 0 or not self.max_grad_norm > 0:
       raise ValueError(f"RouterTrainConfig.learning_rate and max_grad_norm must be > 0, got "
                        f"{self.learning_rate}, {self.max_grad_norm}")
+
+
+# A random 2-layer Llama for plumbing checks (`load_model(tiny=True)`), with a real tokenizer.
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=16, rope_theta=100000.0, max_position_embeddings=8192)
+
+
+def load_model(model: str, *, tiny: bool = False, dtype: str = "float32"):
+  """(tokenizer, LlamaConfig, params) of the checkpoint `model` (GGUF or Hugging Face folder),
+  or with `tiny` a random `TINY_LLAMA` with that checkpoint's tokenizer."""
+  tok = load_tokenizer(model)
+  if not tiny:
+    config, params = load_checkpoint(model, dtype=dtype)
+    return tok, config, params
+  config = LlamaConfig(vocab_size=tok.vocab_size, dtype=dtype, eos_token_ids=tuple(tok.eos_ids),
+                       pad_token_id=tok.pad_id, **TINY_LLAMA)
+  return tok, config, init_params(config, jax.random.key(0), scale=0.1)
 
 
 @dataclasses.dataclass(frozen=True)
