@@ -1,6 +1,8 @@
 """MoICE at its best: the routers' training budget and learning rate, chosen on held-out router data.
 
     python -m experiments.moice_sweep --model PATH --preset h200 --out runs/moice_sweep [--resume]
+    python -m experiments.moice_sweep --model PATH --preset h200 --out runs/moice_sweep --resume \
+        --learning-rates 1e-3          # one learning rate per command; a last one reuses them all
 
 For each learning rate, one constant-lr run of max(--budgets) steps (`lpes_jax.moice_training`,
 the released recipe but for the budget and lr: 128 sequences per step, AdamW, clip 1) saves its
@@ -48,17 +50,19 @@ class Sweep:
   train_examples: int
   heldout_examples: int
   eval_every: int
+  checkpoint_every: int
 
 
 PRESETS = {
     "smoke": Sweep(model="tiny", train=moice_training.RouterTrainConfig(batch_size=4,
                                                                         micro_batch=2),
                    budgets=(1, 3), learning_rates=(1e-2, 3e-2), train_examples=8,
-                   heldout_examples=4, eval_every=2),
+                   heldout_examples=4, eval_every=2, checkpoint_every=2),
     # 1000 steps of 128 sequences see each of the 25 600 sequences 5 times.
     "h200": Sweep(model="checkpoint", train=moice_training.RouterTrainConfig(),
                   budgets=(7, 50, 200, 1000), learning_rates=(1e-4, 3e-4, 1e-3, 3e-3),
-                  train_examples=25_600, heldout_examples=256, eval_every=50),
+                  train_examples=25_600, heldout_examples=256, eval_every=50,
+                  checkpoint_every=50),
 }
 PRESET_HELP = {
     "smoke": "random 2-layer Llama, budgets 1 and 3, two learning rates: seconds on CPU",
@@ -125,14 +129,18 @@ def run(args: argparse.Namespace, sweep: Sweep) -> dict:
   for lr in sweep.learning_rates:
     tcfg = dataclasses.replace(sweep.train, steps=steps, learning_rate=lr)
     workdir = out / _lr_name(lr)
-    info = {"args": {k: v for k, v in vars(args).items() if k not in ("resume", "out")},
-            "sweep": dataclasses.asdict(sweep), "train": dataclasses.asdict(tcfg),
-            "moice": dataclasses.asdict(mcfg)}
+    # What defines this learning rate's run (not the other learning rates of the grid), so each
+    # may run in its own command on one --out and a later command reuses it.
+    info = {"args": {k: v for k, v in vars(args).items()
+                     if k not in ("resume", "out", "budgets", "learning_rates")},
+            "sweep": dataclasses.asdict(dataclasses.replace(sweep, learning_rates=(lr,))),
+            "train": dataclasses.asdict(tcfg), "moice": dataclasses.asdict(mcfg)}
     t0 = time.perf_counter()
     result = moice_training.train_routers(
         config, params, data, mcfg, tcfg, workdir, run_info=info,
         resume=args.resume and pope_train.has_checkpoints(workdir), heldout=heldout,
         eval_every=sweep.eval_every, snapshot_steps=sweep.budgets,
+        checkpoint_every=sweep.checkpoint_every,
         log=lambda line, lr=lr: print(f"lr {lr:g}: {line}", flush=True))
     seconds[lr] = time.perf_counter() - t0
     runs.append({"encoding": f"lr {lr:g}", "learning_rate": lr, "history": result["history"]})

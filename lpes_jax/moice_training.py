@@ -220,12 +220,12 @@ def train_routers(config: LlamaConfig, params: Any, data: TrainData, mcfg: moice
                   tcfg: RouterTrainConfig, workdir: str | Path, *, run_info: dict,
                   resume: bool = False, log: Callable[[str], None] = print,
                   heldout: TrainData | None = None, eval_every: int | None = None,
-                  snapshot_steps: tuple[int, ...] = ()) -> dict:
+                  snapshot_steps: tuple[int, ...] = (), checkpoint_every: int = 1) -> dict:
   """Trains the routers and writes `workdir/routers` + `moice.json` (`moice.save_routers`).
 
-  Orbax checkpoints of the routers, optimiser state and step go to `workdir/checkpoints` after
-  every step (`pope_jax.train.checkpoint_manager`: atomic, two kept); `resume` continues from
-  the latest. Step s trains on sequences [s·B, (s+1)·B) of `data`, taken modulo its length (a
+  Orbax checkpoints of the routers, optimiser state and step go to `workdir/checkpoints` every
+  `checkpoint_every` steps and at the end (`pope_jax.train.checkpoint_manager`: atomic, two
+  kept), with `workdir/history.json`; `resume` continues from the latest. Step s trains on sequences [s·B, (s+1)·B) of `data`, taken modulo its length (a
   pool smaller than steps × B is seen several times, in the same order each time). The learning
   rate is constant, so the state after s steps is that of a run of budget s: one run serves
   every budget up to `tcfg.steps` (`snapshot_steps`).
@@ -237,6 +237,7 @@ def train_routers(config: LlamaConfig, params: Any, data: TrainData, mcfg: moice
       the end. Its length must be a multiple of micro_batch.
     eval_every: see heldout (None: only at snapshots and the end).
     snapshot_steps: steps after which the routers are also saved to `workdir/step_<s>`.
+    checkpoint_every: steps between checkpoints.
 
   Returns:
     {"history": [{"step", "loss", "lm_loss", "aux_loss", "router_entropy", "grad_norm",
@@ -286,9 +287,10 @@ def train_routers(config: LlamaConfig, params: Any, data: TrainData, mcfg: moice
         record.update({f"heldout_{k}": float(v) for k, v in held.items()})
       if s + 1 in snapshot_steps:
         moice.save_routers(workdir / f"step_{s + 1}", routers, mcfg, config)
-      manager.save(s + 1, args=ocp.args.StandardSave(state))
       history.append(record)
-      atomic.write_json(history_file, history)
+      if (s + 1) % checkpoint_every == 0 or s + 1 == tcfg.steps:
+        manager.save(s + 1, args=ocp.args.StandardSave(state))
+        atomic.write_json(history_file, history)
       log(f"step {s + 1}/{tcfg.steps}  loss {record['loss']:.4f}  lm {record['lm_loss']:.4f}  "
           f"aux {record['aux_loss']:.4f}  router entropy {record['router_entropy']:.4f}"
           + (f"  held-out loss {record['heldout_loss']:.4f}" if "heldout_loss" in record

@@ -100,10 +100,15 @@ def test_sweep_chooses_the_lr_per_budget_then_the_budget_by_heldout_loss():
 
 
 @pytest.mark.slow
-def test_sweep_smoke_writes_the_grid_and_the_best_routers(gguf, tmp_path):
+def test_sweep_smoke_writes_the_grid_and_the_best_routers(gguf, tmp_path, capsys):
   from experiments import moice_sweep
   out = tmp_path / "sweep"
-  record = moice_sweep.main(["--model", gguf, "--preset", "smoke", "--out", str(out)])
+  argv = ["--model", gguf, "--preset", "smoke", "--out", str(out), "--resume"]
+  moice_sweep.main(argv + ["--learning-rates", "0.01"])      # One learning rate per command,
+  first = (out / "lr_0.01" / "history.json").read_text()
+  record = moice_sweep.main(argv)                             # then all: the first is reused.
+  assert (out / "lr_0.01" / "history.json").read_text() == first
+  assert "resumed at step 3" in capsys.readouterr().out
   assert {(g["learning_rate"], g["budget"]) for g in record["grid"]} == {
       (1e-2, 1), (1e-2, 3), (3e-2, 1), (3e-2, 3)}
   for g in record["grid"]:
