@@ -37,6 +37,7 @@ LPES (`lpes_jax`):
   lpes_ablations       — Bézier / linear / free / global searches over seeds under one budget,
                          held out with base and Ms-PoE at two difficulties, 95 % intervals.
   moice_train          — trains the MoICE routers of a frozen model (for lpes_eval --method moice).
+  moice_sweep          — MoICE router budget x learning rate, chosen on held-out router data.
   lpes_latency         — generation latency of those methods on one model.
   bench_llama          — Llama prefill and decode throughput beside PyTorch + transformers.
   lpes_h200.sh         — (bash script) the LPES search, evaluation and latency run on one H200.

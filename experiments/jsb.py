@@ -4,14 +4,26 @@
     python -m experiments.jsb --preset paper       # the paper's configuration, 5 seeds (GPU)
     python -m experiments.jsb --preset smoke       # seconds, for tests (8 chorales, 2 seeds)
 
+The paper preset's three variants, each in its own --out (settings are chosen by validation NLL,
+never by test):
+
+    python -m experiments.jsb --preset paper --out runs/jsb_paper
+    python -m experiments.jsb --preset paper --transpose 6 --out runs/jsb_transpose6
+    python -m experiments.jsb --preset paper --attention-dropout 0.1 --out runs/jsb_attn_dropout0.1
+
+An encoding at a time (`--encodings rope`, then `--encodings pope`, then both: the finished runs
+are reused and the comparison written) keeps each command shorter.
+
 Task logic: `pope_jax.tasks.jsb`; data: `pope_jax.data.jsb` (the standard JSB benchmark, 229 / 76
 / 77 chorales, shipped with the package). The paper reports RoPE 0.5081 and PoPE 0.4889 test NLL.
 
 All seeds of an encoding train side by side in OUT/<encoding>/ (orbax checkpoints,
 metrics.jsonl, result.json); `--resume` continues unfinished runs, finished ones with the same
-config are reused. Outputs: OUT/results.json, OUT/results.md (test NLL mean ± sd, the direction
-of the gap in standard errors, frequency usage per layer), OUT/loss.png (validation NLL vs step),
-OUT/frequency_usage.png (heatmaps), OUT/frequency_share.png (high-frequency share per layer).
+config are reused. Every preset keeps each seed's best-validation checkpoint beside the latest.
+Outputs: OUT/results.json, OUT/results.md (test NLL mean ± sd at the best validation step and at
+the last step, Welch's t between the encodings at each, frequency usage per layer), OUT/loss.png
+(validation NLL vs step, every seed), OUT/frequency_usage.png (heatmaps),
+OUT/frequency_share.png (high-frequency share per layer).
 """
 
 from __future__ import annotations
@@ -39,7 +51,11 @@ def main(argv: list[str] | None = None) -> dict:
                            "(default: the preset's)")
   parser.add_argument("--pack", action="store_true",
                       help="train on the chorales concatenated into one stream, not one per "
-                           "window")
+                           "window; each chorale is its own segment (no attention across "
+                           "chorales, positions from its BOS)")
+  parser.add_argument("--attention-dropout", type=float, default=None,
+                      help="dropout on the attention probabilities in training, in [0, 1) "
+                           "(default: the preset's, 0); runs the XLA reference attention")
   parser.add_argument("--out", type=Path, default=Path("runs/jsb"),
                       help="run folder: one subfolder per encoding, results")
   parser.add_argument("--resume", action="store_true",
@@ -64,6 +80,9 @@ def main(argv: list[str] | None = None) -> dict:
                                                                       args.transpose + 1)))
     if args.pack:
       preset = dataclasses.replace(preset, pack_train=True)
+    if args.attention_dropout is not None:
+      preset = dataclasses.replace(preset, model=dataclasses.replace(
+          preset.model, attention_dropout=args.attention_dropout))
   except ValueError as e:
     parser.error(str(e))
   runs = []

@@ -4,6 +4,7 @@
     python -m experiments.language_model --preset smoke     # seconds, for tests
     python -m experiments.language_model --preset h200      # GPT-2-124M shape, Shakespeare (GPU)
     python -m experiments.language_model --preset h200 --seeds 0,1,2   # three seeds each
+    python -m experiments.language_model --preset h200 --pack   # documents kept apart
     python -m experiments.language_model --preset paper     # GPT-2-124M, 100k steps (GPU, OWT)
     python -m experiments.language_model --preset paper --data-dir /data/owt \\
         --splits train=train.bin,valid=val.bin                  # nanoGPT OpenWebText token files
@@ -15,6 +16,10 @@ for seed N; a finished run with the same configuration is reused (also by
 `experiments.length_extrapolation`, `frequency_usage` and `score_bounds` given the same --out),
 and `--resume` continues an unfinished one. Outputs: OUT/results.json, OUT/results.md
 (validation perplexity, mean ± sd over seeds), OUT/loss.png (validation loss vs step).
+
+`--pack` keeps the documents (works) that share a window apart in every split: the model gets
+their segment ids, so no token attends across a document boundary, and positions restarting at
+0 at each document's first token (the end-of-text token closing the one before).
 """
 
 from __future__ import annotations
@@ -30,11 +35,14 @@ def main(argv: list[str] | None = None) -> dict:
   parser = common.make_parser("language_model", __doc__, common.lm_presets_help(lm.PRESETS))
   common.add_lm_flags(parser, "runs/language_model")
   common.add_seeds_flag(parser)
+  parser.add_argument("--pack", action="store_true",
+                      help="keep the documents sharing a window apart (segment ids, positions "
+                           "restarting per document); needs an end-of-text token")
   args = parser.parse_args(argv)
   encodings = common.encodings_list(parser, args.encodings, ("rope", "pope"))
   seeds = common.seeds_list(parser, args)
   try:
-    preset = common.resolve_lm_preset(args)
+    preset = dataclasses.replace(common.resolve_lm_preset(args), pack=args.pack)
   except ValueError as e:  # A config that refuses a flag's value: a usage error.
     parser.error(str(e))
   runs = []

@@ -13,6 +13,12 @@ per gold position with interval bars) and seeds_pairs<N>.png (the search seeds' 
 their held-out accuracy, mean ± sd) per difficulty. With --moice-routers (the --out of
 `experiments.moice_train` for the same model) MoICE is one more baseline, in every table and plot;
 --resume with --moice-routers adds it to a run made without, running only MoICE's evaluations.
+
+--reuse-record DIR starts --out from a finished run's record (its config.json, results.json with
+the per-example scores, and search/<method>_seed<s>.json, as docs/raw/lpes/ablations keeps
+them) and resumes it: with --moice-routers only MoICE is evaluated, on the same held-out examples,
+and its intervals and gains over base come out beside the recorded rows. Give the record's
+settings (its config.json, --model path included).
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ SMOKE_MODEL = dict(vocab_size=258, hidden_size=32, intermediate_size=64, num_lay
                    num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=1024,
                    bos_token_id=256, eos_token_ids=(257,))
 CONFIG_FILE = "config.json"
-_NOT_RESULTS = ("out", "resume", "no_progress")    # Flags that a resume may change.
+_NOT_RESULTS = ("out", "resume", "no_progress", "reuse_record")  # Flags a resume may change.
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,7 +114,41 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--resume", action="store_true",
                  help="continue the run in --out, skipping its finished stages")
   p.add_argument("--no-progress", action="store_true", help="hide the search progress bars")
+  p.add_argument("--reuse-record", type=common.existing_path, default=None,
+                 help="a finished run's recorded folder (config.json, results.json, "
+                      "search/<method>_seed<s>.json) to start --out from and resume (default: "
+                      "none)")
   return p
+
+
+def seed_from_record(record_dir: str, out: str) -> None:
+  """Writes a finished run's settings, searches and held-out scores from its record into `out`
+  (config.json, search/<method>/seed<s>/results.json, eval/pairs<P>/seed<h>/<group>.json), so
+  that a resume recomputes none of them.
+
+  Raises:
+    FileExistsError: `out` already holds a run. FileNotFoundError: a recorded file is missing.
+  """
+  if os.path.exists(os.path.join(out, CONFIG_FILE)):
+    raise FileExistsError(f"--out {out} already holds an ablation run; --reuse-record starts a "
+                          f"fresh folder")
+  with open(os.path.join(record_dir, "results.json")) as f:
+    record = json.load(f)
+  with open(os.path.join(record_dir, CONFIG_FILE)) as f:
+    settings = json.load(f)
+  methods = [m for m in settings["methods"].split(",") if m]
+  for m in methods:
+    for s in settings["search_seeds"]:
+      with open(os.path.join(record_dir, "search", f"{m}_seed{s}.json")) as f:
+        atomic.write_json(ablation._search_dir(out, m, s, search.RESULTS_FILE), json.load(f))
+  searched = {f"{m}/seed{s}" for m in methods for s in settings["search_seeds"]}
+  for pairs, by_seed in record["scores"].items():
+    for h, by_label in by_seed.items():
+      groups = {"searched": {k: v for k, v in by_label.items() if k in searched},
+                **{k: {k: v} for k, v in by_label.items() if k not in searched}}
+      for group, scores in groups.items():
+        atomic.write_json(ablation._eval_path(out, pairs, h, group), scores)
+  atomic.write_json(os.path.join(out, CONFIG_FILE), settings)
 
 
 def _names(p, flag: str, value: str, allowed) -> tuple[str, ...]:
@@ -171,6 +211,12 @@ def main(argv=None) -> None:
   args = p.parse_args(argv)
   cfg = check_flags(p, args)
   with common.locked(p, args.out):
+    if args.reuse_record:
+      try:
+        seed_from_record(args.reuse_record, args.out)
+      except (OSError, KeyError, ValueError) as e:
+        p.error(f"--reuse-record: {e}")
+      args.resume = True
     saved_path = os.path.join(args.out, CONFIG_FILE)
     settings = {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_RESULTS}
     settings = json.loads(json.dumps(settings))

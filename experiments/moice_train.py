@@ -21,26 +21,21 @@ import jax
 
 from experiments import common
 from lpes_jax import moice, moice_training
-from lpes_jax.checkpoints import load_checkpoint
-from lpes_jax.config import LlamaConfig
-from lpes_jax.llama import init_params, num_params
+from lpes_jax.llama import num_params
 from lpes_jax.tasks.task import add_task_flags, task_config
-from lpes_jax.tokenizer import load_tokenizer
 from pope_jax import reporting
 
-# (model, TrainConfig): "checkpoint" loads --model; "tiny" is a random 2-layer Llama with the
-# tokenizer of --model.
+# (model, RouterTrainConfig): "checkpoint" loads --model; "tiny" is a random 2-layer Llama with
+# the tokenizer of --model.
 PRESETS = {
-    "smoke": ("tiny", moice_training.TrainConfig(steps=2, batch_size=4, micro_batch=2,
-                                                 learning_rate=1e-2)),
-    "h200": ("checkpoint", moice_training.TrainConfig()),
+    "smoke": ("tiny", moice_training.RouterTrainConfig(steps=2, batch_size=4, micro_batch=2,
+                                                       learning_rate=1e-2)),
+    "h200": ("checkpoint", moice_training.RouterTrainConfig()),
 }
 PRESET_HELP = {
     "smoke": "random 2-layer Llama (width 64), 2 steps of 4 sequences: seconds on CPU",
     "h200": "the --model checkpoint, the released recipe: 7 steps of 128 sequences, lr 1e-4",
 }
-TINY = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-            head_dim=16, rope_theta=100000.0, max_position_embeddings=8192)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def train_config(p: argparse.ArgumentParser, args: argparse.Namespace
-                 ) -> moice_training.TrainConfig:
-  """The preset's TrainConfig with the flags' overrides (bad combinations: usage errors)."""
+                 ) -> moice_training.RouterTrainConfig:
+  """The preset's RouterTrainConfig with the flags' overrides (bad combinations: usage errors)."""
   _, tcfg = PRESETS[args.preset]
   over = {k: v for k, v in (("steps", args.steps), ("batch_size", args.batch_size),
                             ("micro_batch", args.micro_batch),
@@ -91,16 +86,10 @@ def main(argv=None) -> None:
     run(args, tcfg)
 
 
-def run(args: argparse.Namespace, tcfg: moice_training.TrainConfig) -> None:
+def run(args: argparse.Namespace, tcfg: moice_training.RouterTrainConfig) -> None:
   """Loads the model and tokenizer, builds the data, trains, writes the reports to --out."""
-  tok = load_tokenizer(args.model)
-  kind, _ = PRESETS[args.preset]
-  if kind == "checkpoint":
-    config, params = load_checkpoint(args.model, dtype=args.dtype)
-  else:
-    config = LlamaConfig(vocab_size=tok.vocab_size, dtype=args.dtype,
-                         eos_token_ids=tuple(tok.eos_ids), pad_token_id=tok.pad_id, **TINY)
-    params = init_params(config, jax.random.key(0), scale=0.1)
+  tok, config, params = moice_training.load_model(
+      args.model, tiny=PRESETS[args.preset][0] == "tiny", dtype=args.dtype)
   mcfg = moice.paper_config(config.rope_theta)
   task = task_config(args)
   data = moice_training.kv_training_data(task, tok, config,

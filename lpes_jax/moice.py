@@ -211,6 +211,26 @@ def load_balancing_loss(logits: Array, top_k: int, mask: Array | None = None) ->
   return E * jnp.sum(tokens_per_expert * prob_per_expert[None, :])
 
 
+def router_entropy(logits: Array, mask: Array | None = None) -> Array:
+  """Mean entropy (nats) of the router distributions softmax(logits) over the E experts.
+
+  log E for uniform routing (an untrained router), 0 for routing that picks one expert.
+
+  Args:
+    logits: [L, B, T, N, E] router logits.
+    mask: None, or [B, T] bool (False: padding, left out).
+
+  Returns:
+    [] float32.
+  """
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  h = -jnp.sum(jnp.exp(logp) * logp, axis=-1)                               # [L, B, T, N]
+  if mask is None:
+    return jnp.mean(h)
+  w = jnp.broadcast_to(mask.astype(jnp.float32)[None, :, :, None], h.shape)
+  return jnp.sum(h * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
 def save_routers(directory: str | Path, routers: Routers, mcfg: MoiceConfig,
                  config: LlamaConfig) -> None:
   """Writes `directory/routers/` (orbax, atomic) and `directory/moice.json` (the experts and

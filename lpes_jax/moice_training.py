@@ -1,7 +1,8 @@
 """Router-only training of MoICE (`lpes_jax.moice`): data, loss, jitted optax step, orbax loop.
 
     data = kv_training_data(task, tok, config, num_examples=896, seed=1000)
-    result = train_routers(config, params, data, mcfg, TrainConfig(...), workdir)
+    result = train_routers(config, params, data, mcfg, RouterTrainConfig(...), workdir,
+                           run_info=..., heldout=heldout_data, snapshot_steps=(7, 50))
 
 The released recipe (github.com/p1nksnow/MoICE `training/train.sh`): the model frozen, only the
 routers trained, the causal LM loss on every token of prompt + answer (`--pretrain_loss True`)
@@ -33,10 +34,12 @@ import optax
 import orbax.checkpoint as ocp
 
 from lpes_jax import moice
+from lpes_jax.checkpoints import load_checkpoint
 from lpes_jax.config import LlamaConfig
-from lpes_jax.llama import Llama
+from lpes_jax.llama import Llama, init_params
 from lpes_jax.tasks.task import (ANSWER_PREFIX, TaskConfig, answer_text, encode_prompt,
                                  num_items, task_examples)
+from lpes_jax.tokenizer import load_tokenizer
 from pope_jax import atomic, generation
 from pope_jax import train as pope_train
 
@@ -44,7 +47,7 @@ Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainConfig:
+class RouterTrainConfig:
   """Router training settings (defaults: the released recipe).
 
   Attributes:
@@ -65,13 +68,30 @@ class TrainConfig:
   def __post_init__(self):
     for name in ("steps", "batch_size", "micro_batch"):
       if getattr(self, name) < 1:
-        raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        raise ValueError(f"RouterTrainConfig.{name} must be >= 1, got {getattr(self, name)}")
     if self.batch_size % self.micro_batch:
-      raise ValueError(f"TrainConfig.batch_size ({self.batch_size}) must be a multiple of "
+      raise ValueError(f"RouterTrainConfig.batch_size ({self.batch_size}) must be a multiple of "
                        f"micro_batch ({self.micro_batch})")
     if not self.learning_rate > 0 or not self.max_grad_norm > 0:
-      raise ValueError(f"TrainConfig.learning_rate and max_grad_norm must be > 0, got "
+      raise ValueError(f"RouterTrainConfig.learning_rate and max_grad_norm must be > 0, got "
                        f"{self.learning_rate}, {self.max_grad_norm}")
+
+
+# A random 2-layer Llama for plumbing checks (`load_model(tiny=True)`), with a real tokenizer.
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=16, rope_theta=100000.0, max_position_embeddings=8192)
+
+
+def load_model(model: str, *, tiny: bool = False, dtype: str = "float32"):
+  """(tokenizer, LlamaConfig, params) of the checkpoint `model` (GGUF or Hugging Face folder),
+  or with `tiny` a random `TINY_LLAMA` with that checkpoint's tokenizer."""
+  tok = load_tokenizer(model)
+  if not tiny:
+    config, params = load_checkpoint(model, dtype=dtype)
+    return tok, config, params
+  config = LlamaConfig(vocab_size=tok.vocab_size, dtype=dtype, eos_token_ids=tuple(tok.eos_ids),
+                       pad_token_id=tok.pad_id, **TINY_LLAMA)
+  return tok, config, init_params(config, jax.random.key(0), scale=0.1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +146,8 @@ def moice_loss(routers: moice.Routers, params: Any, tokens: Array, mask: Array,
     routers: trained leaves; params: the frozen model; tokens [B, T] int32, mask [B, T] bool.
 
   Returns:
-    (loss [] float32, {"loss", "lm_loss", "aux_loss"}).
+    (loss [] float32, {"loss", "lm_loss", "aux_loss", "router_entropy"}), the entropy in nats
+    (`moice.router_entropy`; log E = uniform routing).
   """
   logits, state = Llama(config).apply(
       {"params": params}, tokens, attention_mask=mask,
@@ -137,10 +158,14 @@ def moice_loss(routers: moice.Routers, params: Any, tokens: Array, mask: Array,
   lm = lm_loss(logits, tokens, mask)
   aux = moice.load_balancing_loss(router_logits, mcfg.top_k, mask)
   loss = lm + mcfg.aux_loss_coef * aux
-  return loss, {"loss": loss, "lm_loss": lm, "aux_loss": aux}
+  entropy = jax.lax.stop_gradient(moice.router_entropy(router_logits, mask))
+  return loss, {"loss": loss, "lm_loss": lm, "aux_loss": aux, "router_entropy": entropy}
 
 
-def make_optimizer(tcfg: TrainConfig) -> optax.GradientTransformation:
+METRICS = ("loss", "lm_loss", "aux_loss", "router_entropy")
+
+
+def make_optimizer(tcfg: RouterTrainConfig) -> optax.GradientTransformation:
   """Clip the global gradient norm, then AdamW (betas 0.9, 0.999, eps 1e-8, no weight decay)."""
   return optax.chain(optax.clip_by_global_norm(tcfg.max_grad_norm),
                      optax.adamw(tcfg.learning_rate, b1=0.9, b2=0.999, eps=1e-8,
@@ -162,7 +187,7 @@ def make_train_step(config: LlamaConfig, mcfg: moice.MoiceConfig,
       return jax.tree.map(jnp.add, carry, (grads, metrics)), None
 
     zeros = (jax.tree.map(jnp.zeros_like, routers),
-             {k: jnp.zeros((), jnp.float32) for k in ("loss", "lm_loss", "aux_loss")})
+             {k: jnp.zeros((), jnp.float32) for k in METRICS})
     (grads, metrics), _ = jax.lax.scan(micro, zeros, (tokens, mask))
     grads, metrics = jax.tree.map(lambda x: x / tokens.shape[0], (grads, metrics))
     metrics["grad_norm"] = optax.tree.norm(grads)
@@ -172,29 +197,66 @@ def make_train_step(config: LlamaConfig, mcfg: moice.MoiceConfig,
   return jax.jit(step)
 
 
+def make_eval_step(config: LlamaConfig, mcfg: moice.MoiceConfig) -> Callable:
+  """Jitted `evaluate(routers, params, tokens, mask) -> metrics`: `METRICS` averaged over the
+  A micro-batches of tokens, mask [A, b, T] (no update)."""
+  def evaluate(routers, params, tokens, mask):
+    def micro(carry, batch):
+      _, metrics = moice_loss(routers, params, *batch, config, mcfg)
+      return jax.tree.map(jnp.add, carry, metrics), None
+    total, _ = jax.lax.scan(micro, {k: jnp.zeros((), jnp.float32) for k in METRICS},
+                            (tokens, mask))
+    return jax.tree.map(lambda x: x / tokens.shape[0], total)
+  return jax.jit(evaluate)
+
+
+def _micro_batches(data: TrainData, rows, micro_batch: int):
+  """tokens, mask of `data[rows]` as [A, micro_batch, T]."""
+  return (data.tokens[rows].reshape(-1, micro_batch, data.tokens.shape[1]),
+          data.mask[rows].reshape(-1, micro_batch, data.mask.shape[1]))
+
+
 def train_routers(config: LlamaConfig, params: Any, data: TrainData, mcfg: moice.MoiceConfig,
-                  tcfg: TrainConfig, workdir: str | Path, *, run_info: dict,
-                  resume: bool = False, log: Callable[[str], None] = print) -> dict:
+                  tcfg: RouterTrainConfig, workdir: str | Path, *, run_info: dict,
+                  resume: bool = False, log: Callable[[str], None] = print,
+                  heldout: TrainData | None = None, eval_every: int | None = None,
+                  snapshot_steps: tuple[int, ...] = (), checkpoint_every: int = 1) -> dict:
   """Trains the routers and writes `workdir/routers` + `moice.json` (`moice.save_routers`).
 
-  Orbax checkpoints of the routers, optimiser state and step go to `workdir/checkpoints` after
-  every step (`pope_jax.train.checkpoint_manager`: atomic, two kept); `resume` continues from
-  the latest. Step s trains on sequences [s·B, (s+1)·B) of `data`.
+  Orbax checkpoints of the routers, optimiser state and step go to `workdir/checkpoints` every
+  `checkpoint_every` steps and at the end (`pope_jax.train.checkpoint_manager`: atomic, two
+  kept), with `workdir/history.json`; `resume` continues from the latest. Step s trains on sequences [s·B, (s+1)·B) of `data`, taken modulo its length (a
+  pool smaller than steps × B is seen several times, in the same order each time). The learning
+  rate is constant, so the state after s steps is that of a run of budget s: one run serves
+  every budget up to `tcfg.steps` (`snapshot_steps`).
 
   Args:
     run_info: what defines the run (configs, data); compared on resume.
+    heldout: sequences kept out of training; their mean metrics (`METRICS`, prefixed
+      "heldout_") are logged at every step in `snapshot_steps`, every `eval_every` steps and at
+      the end. Its length must be a multiple of micro_batch.
+    eval_every: see heldout (None: only at snapshots and the end).
+    snapshot_steps: steps after which the routers are also saved to `workdir/step_<s>`.
+    checkpoint_every: steps between checkpoints.
 
   Returns:
-    {"history": [{"step", "loss", "lm_loss", "aux_loss", "grad_norm"}, ...], "routers": ...}.
+    {"history": [{"step", "loss", "lm_loss", "aux_loss", "router_entropy", "grad_norm",
+    ["heldout_loss", ...]}, ...], "routers": ...}.
 
   Raises:
-    ValueError: data with fewer than steps × batch_size sequences.
+    ValueError: data with fewer than batch_size sequences or not a multiple of it, held-out data
+      not a multiple of micro_batch, or a snapshot step outside 1..steps.
     FileExistsError, FileNotFoundError, pope_jax.train.ResumeError: see `checkpoint_manager`.
   """
-  need = tcfg.steps * tcfg.batch_size
-  if data.tokens.shape[0] < need:
-    raise ValueError(f"{tcfg.steps} steps of {tcfg.batch_size} sequences need {need} "
-                     f"sequences, got {data.tokens.shape[0]}")
+  pool = data.tokens.shape[0]
+  if pool < tcfg.batch_size or pool % tcfg.batch_size:
+    raise ValueError(f"the training data ({pool} sequences) must be a positive multiple of "
+                     f"batch_size {tcfg.batch_size}")
+  if heldout is not None and heldout.tokens.shape[0] % tcfg.micro_batch:
+    raise ValueError(f"the held-out data ({heldout.tokens.shape[0]} sequences) must be a "
+                     f"multiple of micro_batch {tcfg.micro_batch}")
+  if any(not 1 <= s <= tcfg.steps for s in snapshot_steps):
+    raise ValueError(f"snapshot_steps {snapshot_steps} must lie in 1..{tcfg.steps}")
   workdir = Path(workdir)
   optimizer = make_optimizer(tcfg)
   routers = moice.init_routers(jax.random.key(tcfg.init_seed), config, mcfg)
@@ -208,19 +270,31 @@ def train_routers(config: LlamaConfig, params: Any, data: TrainData, mcfg: moice
       history = [h for h in json.loads(history_file.read_text()) if h["step"] <= int(state["step"])]
       log(f"resumed at step {int(state['step'])}")
     step_fn = make_train_step(config, mcfg, optimizer)
-    A = tcfg.batch_size // tcfg.micro_batch
+    eval_fn = make_eval_step(config, mcfg) if heldout is not None else None
+    heldout_batches = (None if heldout is None else
+                       _micro_batches(heldout, slice(None), tcfg.micro_batch))
     for s in range(int(state["step"]), tcfg.steps):
-      rows = slice(s * tcfg.batch_size, (s + 1) * tcfg.batch_size)
-      tokens = data.tokens[rows].reshape(A, tcfg.micro_batch, -1)
-      mask = data.mask[rows].reshape(A, tcfg.micro_batch, -1)
+      start = (s * tcfg.batch_size) % pool
+      tokens, mask = _micro_batches(data, slice(start, start + tcfg.batch_size),
+                                    tcfg.micro_batch)
       routers, opt_state, metrics = step_fn(state["routers"], state["opt_state"], params,
                                             tokens, mask)
       state = {"routers": routers, "opt_state": opt_state, "step": jnp.int32(s + 1)}
-      manager.save(s + 1, args=ocp.args.StandardSave(state))
-      history.append({"step": s + 1, **{k: float(v) for k, v in metrics.items()}})
-      atomic.write_json(history_file, history)
-      log(f"step {s + 1}/{tcfg.steps}  loss {history[-1]['loss']:.4f}  "
-          f"lm {history[-1]['lm_loss']:.4f}  aux {history[-1]['aux_loss']:.4f}")
+      record = {"step": s + 1, **{k: float(v) for k, v in metrics.items()}}
+      if eval_fn is not None and (s + 1 in snapshot_steps or s + 1 == tcfg.steps or (
+          eval_every and (s + 1) % eval_every == 0)):
+        held = eval_fn(routers, params, *heldout_batches)
+        record.update({f"heldout_{k}": float(v) for k, v in held.items()})
+      if s + 1 in snapshot_steps:
+        moice.save_routers(workdir / f"step_{s + 1}", routers, mcfg, config)
+      history.append(record)
+      if (s + 1) % checkpoint_every == 0 or s + 1 == tcfg.steps:
+        manager.save(s + 1, args=ocp.args.StandardSave(state))
+        atomic.write_json(history_file, history)
+      log(f"step {s + 1}/{tcfg.steps}  loss {record['loss']:.4f}  lm {record['lm_loss']:.4f}  "
+          f"aux {record['aux_loss']:.4f}  router entropy {record['router_entropy']:.4f}"
+          + (f"  held-out loss {record['heldout_loss']:.4f}" if "heldout_loss" in record
+             else ""))
     manager.wait_until_finished()
   moice.save_routers(workdir, state["routers"], mcfg, config)
   return {"history": history, "routers": state["routers"]}

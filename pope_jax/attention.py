@@ -87,7 +87,8 @@ def _check_qkv(q: Array, k: Array, v: Array) -> None:
 
 
 def dot_product_attention_reference(
-    q: Array, k: Array, v: Array, *, scale: float, mask: Array | None = None
+    q: Array, k: Array, v: Array, *, scale: float, mask: Array | None = None,
+    dropout_rate: float = 0.0, dropout_rng: Array | None = None
 ) -> Array:
   """Softmax attention with materialised scores, float32 inside (the reference for every kernel).
 
@@ -95,6 +96,10 @@ def dot_product_attention_reference(
     q: [B, T, N, H]; k: [B, S, K, H]; v: [B, S, K, V]; N % K == 0 (GQA).
     scale: logit scale.
     mask: None or bool broadcastable to [B, T, S] (True = visible).
+    dropout_rate: p, dropout on the attention probabilities: each is zeroed with probability p,
+      the rest scaled by 1/(1 - p) (Vaswani et al. 2017, §5.4 applied to the weights, as in
+      BERT and GPT-2). 0 = none.
+    dropout_rng: a `jax.random` key, required when dropout_rate > 0.
 
   Returns:
     [B, T, N, V] float32. Rows with no visible key are zero. A key that no query sees (e.g. an
@@ -115,8 +120,21 @@ def dot_product_attention_reference(
     m = mask[:, None, None]
     probs = jax.nn.softmax(jnp.where(m, logits, -1e30), axis=-1) * m
     vf = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], vf, 0.0)       # [B, S, K, V]
+  if dropout_rate > 0.0:
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
+    probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
   out = jnp.einsum("bkgts,bskv->btkgv", probs, vf)
   return out.reshape(b, t, n, v.shape[-1])
+
+
+def _check_dropout(dropout_rate: float, dropout_rng: Array | None) -> None:
+  if not 0.0 <= dropout_rate < 1.0:
+    raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+  if dropout_rate > 0.0 and dropout_rng is None:
+    raise ValueError("dropout_rate > 0 needs a dropout_rng key")
+
+
+_DROPOUT_XLA_ONLY = "attention dropout runs only in the xla reference (dropout_rate > 0)"
 
 
 def _check_multiplier(multiplier, query: Array) -> None:
@@ -205,10 +223,12 @@ def _pope_cartesian_qk(q, k, delta, *, base, masking: _Masking, multiplier):
                    num_heads=q.shape[2]))
 
 
-def _pope_xla(q, k, v, delta, *, base, masking, scale, multiplier, block_sizes):
+def _pope_xla(q, k, v, delta, *, base, masking, scale, multiplier, block_sizes,
+              dropout_rate=0.0, dropout_rng=None):
   del block_sizes  # None (`_check_block_sizes`).
   qc, kc = _pope_cartesian_qk(q, k, delta, base=base, masking=masking, multiplier=multiplier)
-  return dot_product_attention_reference(qc, kc, v, scale=scale, mask=masking.dense())
+  return dot_product_attention_reference(qc, kc, v, scale=scale, mask=masking.dense(),
+                                         dropout_rate=dropout_rate, dropout_rng=dropout_rng)
 
 
 def _pope_cudnn(q, k, v, delta, *, base, masking, scale, multiplier, block_sizes):
@@ -365,8 +385,11 @@ def _mapped_shape(x: Array, width: int) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(x.shape[:-1] + (width,), x.dtype)
 
 
-def _pope_why_not(implementation, q, k, v, *, multiplier, key_mask, segment_ids) -> str | None:
+def _pope_why_not(implementation, q, k, v, *, multiplier, key_mask, segment_ids,
+                  dropout_rate=0.0) -> str | None:
   """Why PoPE `implementation` cannot run these inputs here, or None if it can."""
+  if implementation != "xla" and dropout_rate > 0.0:
+    return _DROPOUT_XLA_ONLY
   if implementation == "cudnn":
     return _cudnn_why_not(q, k, v, qk_width=2 * q.shape[-1])
   if implementation == "pallas" and _is_decode(q, k):
@@ -383,8 +406,11 @@ def _pope_why_not(implementation, q, k, v, *, multiplier, key_mask, segment_ids)
   return None
 
 
-def _rope_why_not(implementation, q, k, v, *, local_window, segment_ids) -> str | None:
+def _rope_why_not(implementation, q, k, v, *, local_window, segment_ids,
+                  dropout_rate=0.0) -> str | None:
   """Why RoPE `implementation` cannot run these inputs here, or None if it can."""
+  if implementation != "xla" and dropout_rate > 0.0:
+    return _DROPOUT_XLA_ONLY
   if implementation == "pallas":
     if not _is_decode(q, k) or local_window is not None or segment_ids:
       return ("the pallas RoPE path is the decoding kernel (T <= 16 queries, S > T keys, no "
@@ -441,6 +467,8 @@ def pope_attention(
     kv_segment_ids: Array | None = None,
     implementation: str | None = None,
     block_sizes=None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
 ) -> Array:
   """PoPE attention: a_ts = Σ_c softplus(q_tc) softplus(k_sc) cos((s - t)θ_c + δ_c) (PoPE Eq. 5/6).
 
@@ -469,6 +497,8 @@ def pope_attention(
     implementation: None or one of IMPLEMENTATIONS (see the module docstring).
     block_sizes: None (the tuned defaults) or a `pallas_kernels.pope_attention_config.BlockSizes`,
       with implementation="pallas" only.
+    dropout_rate, dropout_rng: dropout on the attention probabilities (training; see
+      `dot_product_attention_reference`); xla only, None then picks it.
 
   Returns:
     [B, T, N, V] in the query's dtype.
@@ -483,16 +513,20 @@ def pope_attention(
   _check_multiplier(multiplier, query)
   delta = None if delta is None else _check_delta(delta, query)
   _check_block_sizes(block_sizes, implementation)
+  _check_dropout(dropout_rate, dropout_rng)
   implementation = _choose("pope_attention", implementation, _pope_why_not, query, key, value,
                            multiplier=multiplier, key_mask=key_mask,
-                           segment_ids=q_segment_ids is not None or kv_segment_ids is not None)
+                           segment_ids=q_segment_ids is not None or kv_segment_ids is not None,
+                           dropout_rate=dropout_rate)
   masking = _masking(query, key, is_causal=is_causal, q_positions=q_positions,
                      k_positions=k_positions, key_mask=key_mask, q_segment_ids=q_segment_ids,
                      kv_segment_ids=kv_segment_ids, keep_numpy=implementation == "pallas")
   scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+  dropout = {} if dropout_rate == 0.0 else {"dropout_rate": dropout_rate,
+                                            "dropout_rng": dropout_rng}
   out = POPE_IMPLEMENTATIONS[implementation](
       query, key, value, delta, base=base, masking=masking, scale=scale, multiplier=multiplier,
-      block_sizes=block_sizes)
+      block_sizes=block_sizes, **dropout)
   return out.astype(query.dtype)
 
 
@@ -514,6 +548,8 @@ def rope_attention(
     kv_segment_ids: Array | None = None,
     local_window: int | None = None,
     implementation: str | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
 ) -> Array:
   """RoPE attention (RoFormer Eq. 16): rotate q and k by position·θ, then softmax attention.
 
@@ -532,6 +568,8 @@ def rope_attention(
     implementation: None or one of IMPLEMENTATIONS (see the module docstring). "cudnn" rotates
       first, so positions and multipliers never reach cuDNN; any mask does. "pallas" runs
       decoding (T <= 16, S > T, no local_window or segment ids) on Hopper.
+    dropout_rate, dropout_rng: dropout on the attention probabilities (training; see
+      `dot_product_attention_reference`); xla only, None then picks it.
 
   Returns:
     [B, T, N, V] in the query's dtype.
@@ -544,9 +582,11 @@ def rope_attention(
   _check_qkv(query, key, value)
   _check_multiplier(multiplier, query)
   positions.check_local_window(local_window)
+  _check_dropout(dropout_rate, dropout_rng)
   implementation = _choose("rope_attention", implementation, _rope_why_not, query, key, value,
                            local_window=local_window,
-                           segment_ids=q_segment_ids is not None or kv_segment_ids is not None)
+                           segment_ids=q_segment_ids is not None or kv_segment_ids is not None,
+                           dropout_rate=dropout_rate)
   masking = _masking(query, key, is_causal=is_causal, q_positions=q_positions,
                      k_positions=k_positions, key_mask=key_mask, q_segment_ids=q_segment_ids,
                      kv_segment_ids=kv_segment_ids, local_window=local_window)
@@ -559,7 +599,8 @@ def rope_attention(
   elif implementation == "cudnn":
     out = _cudnn_attention(qr, kr, value, masking=masking, scale=scale)
   else:
-    out = dot_product_attention_reference(qr, kr, value, scale=scale, mask=masking.dense())
+    out = dot_product_attention_reference(qr, kr, value, scale=scale, mask=masking.dense(),
+                                          dropout_rate=dropout_rate, dropout_rng=dropout_rng)
   return out.astype(query.dtype)
 
 

@@ -57,6 +57,10 @@ class ModelConfig:
     rope_base, pope_base: frequency bases (PoPE App. A uses 10 000 for both).
     delta_init: PoPE phase-bias init, "uniform" (U(-2π, 0)) or "zeros".
     dropout_rate: dropout after attention and MLP (and on embeddings).
+    attention_dropout: dropout on the attention probabilities in training (0 = none). It runs
+      only in the XLA reference attention: with a rate above 0, training takes that path
+      (`attention_implementation` None or "xla"; a named fused path refuses it), and evaluation
+      without dropout keeps the fused ones.
     tie_embeddings: share the token embedding with the output head.
     dtype: compute dtype, float32 or bfloat16 as JAX users write it (`jnp.bfloat16`,
       `np.dtype("float32")`, "bf16", ...); stored as its canonical name. Params stay float32.
@@ -96,6 +100,7 @@ class ModelConfig:
   pope_base: float = 10000.0
   delta_init: str = "uniform"
   dropout_rate: float = 0.0
+  attention_dropout: float = 0.0
   tie_embeddings: bool = True
   dtype: Any = "float32"
   logits_dtype: Any = "float32"
@@ -155,8 +160,9 @@ class ModelConfig:
         isinstance(self.init_std, (int, float)) and not isinstance(self.init_std, bool)
         and 0 < self.init_std < float("inf")):
       raise ValueError(f"ModelConfig.init_std must be None or > 0, got {self.init_std!r}")
-    if not 0.0 <= self.dropout_rate < 1.0:
-      raise ValueError(f"ModelConfig.dropout_rate must be in [0, 1), got {self.dropout_rate}")
+    for name in ("dropout_rate", "attention_dropout"):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ValueError(f"ModelConfig.{name} must be in [0, 1), got {getattr(self, name)}")
 
   @property
   def kv_heads(self) -> int:
@@ -207,6 +213,11 @@ class TrainConfig:
     steps_per_call: optimiser steps fused into one jitted call with `lax.scan` (amortises dispatch).
     data_workers: grain worker processes (0 = in-process).
     fsdp: shard parameters and optimiser state over the devices (FSDP) instead of replicating.
+    select_split: None, or the name of an evaluation split (e.g. "valid") that selects a
+      checkpoint: at each periodic evaluation (every `eval_every` steps and at the end, on
+      `eval_batches` batches or the whole split) the parameters with the lowest loss on it so far
+      are kept in the checkpointed state beside the latest ones, and the results report every
+      split at that step as well as at the last.
   """
   steps: int
   batch_size: int
@@ -225,8 +236,13 @@ class TrainConfig:
   steps_per_call: int = 1
   data_workers: int = 0
   fsdp: bool = False
+  select_split: str | None = None
 
   def __post_init__(self):
+    if self.select_split is not None and not (isinstance(self.select_split, str)
+                                              and self.select_split):
+      raise ValueError(f"TrainConfig.select_split must be None or a split name, got "
+                       f"{self.select_split!r}")
     for name in ("steps", "batch_size", "eval_every", "checkpoint_every", "log_every",
                  "steps_per_call"):
       if getattr(self, name) <= 0:

@@ -41,6 +41,8 @@ class PositionalAttention(nn.Module):
       ...; `pope_jax.dtypes.canonical_dtype`).
     kernel_init, out_kernel_init: initialisers of the q/k/v and output projections (default:
       Flax's LeCun normal).
+    dropout_rate: dropout on the attention probabilities when not `deterministic` (a "dropout"
+      rng); it runs in the XLA reference attention only.
   """
   num_heads: int
   num_kv_heads: int
@@ -56,11 +58,13 @@ class PositionalAttention(nn.Module):
   dtype: Any = jnp.float32
   kernel_init: nn.initializers.Initializer = nn.linear.default_kernel_init
   out_kernel_init: nn.initializers.Initializer = nn.linear.default_kernel_init
+  dropout_rate: float = 0.0
 
   @nn.compact
   def __call__(self, x: Array, *, positions: Array | None = None,
                multiplier: Array | None = None, key_mask: Array | None = None,
-               segment_ids: Array | None = None, cache: dict[str, Array] | None = None):
+               segment_ids: Array | None = None, cache: dict[str, Array] | None = None,
+               deterministic: bool = True):
     """Causal self-attention, optionally over a KV cache.
 
     Args:
@@ -74,6 +78,7 @@ class PositionalAttention(nn.Module):
         [B, S, K, H] of the tokens so far (keys raw or mapped, `kv_cache_keys`); "positions"
         [B, S] int32 and "valid" [B, S] bool, already holding the T new tokens; "index" []
         int32, their first slot.
+      deterministic: no attention dropout (pass False with a "dropout" rng to train).
 
     Returns:
       [B, T, D] in `dtype`; with a cache, (that, (k, v)): the cache's keys and values with the T
@@ -102,6 +107,9 @@ class PositionalAttention(nn.Module):
       common["key_mask"] = key_mask
     if segment_ids is not None:
       common.update(q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+    dropout = {}
+    if not deterministic and self.dropout_rate > 0.0:
+      dropout = {"dropout_rate": self.dropout_rate, "dropout_rng": self.make_rng("dropout")}
     ka, va = k.astype(dtype), v.astype(dtype)
     if cache is not None and self.kv_cache_keys == "mapped" and self.pos_encoding != "none":
       out = attention.decode_attention(
@@ -110,11 +118,12 @@ class PositionalAttention(nn.Module):
     elif self.pos_encoding == "pope":
       delta = self._delta()
       out = attention.pope_attention(q, ka, va, delta, base=self.pope_base,
-                                     implementation=self.attention_implementation, **common)
+                                     implementation=self.attention_implementation, **common,
+                                     **dropout)
     elif self.pos_encoding == "rope":
       out = attention.rope_attention(
           q, ka, va, base=self.rope_base, layout=self.rope_layout, **self._rope_args(), **common,
-          implementation=self.attention_implementation)
+          **dropout, implementation=self.attention_implementation)
     elif self.pos_encoding == "none":
       q_pos = jnp.arange(x.shape[1], dtype=jnp.int32) if positions is None else positions
       k_pos = q_pos if k_positions is None else k_positions
@@ -122,7 +131,7 @@ class PositionalAttention(nn.Module):
                                           is_causal=True, k_valid=key_mask,
                                           q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
       out = attention.dot_product_attention_reference(
-          q, ka, va, scale=h ** -0.5, mask=mask).astype(dtype)
+          q, ka, va, scale=h ** -0.5, mask=mask, **dropout).astype(dtype)
     else:
       raise ValueError(f"pos_encoding must be 'rope', 'pope' or 'none', got {self.pos_encoding!r}")
     out = nn.DenseGeneral(x.shape[-1], axis=(-2, -1), use_bias=False, dtype=dtype,

@@ -101,8 +101,9 @@ class Block(nn.Module):
         attention_implementation=cfg.attention_implementation, dtype=dtype, name="attn",
         kv_cache_keys=cfg.kv_cache_keys,
         kernel_init=kernel_init, out_kernel_init=residual_init,
+        dropout_rate=cfg.attention_dropout,
     )(h, positions=positions, multiplier=multiplier, key_mask=key_mask, segment_ids=segment_ids,
-      cache=cache)
+      cache=cache, deterministic=deterministic)
     if cache is not None:
       h, kv = h
     x = x + nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)

@@ -2,7 +2,9 @@
 
 `train_and_evaluate(model_config, train_config, train_source=..., eval_sources=..., workdir=...)`
 trains a `pope_jax.Transformer` on records {"inputs": int32[T], "targets": int32[T],
-"weights": float32[T]} from a grain random-access source. The loss is the weighted mean next-token
+"weights": float32[T]} from a grain random-access source. Records of packed documents also carry
+"segment_ids" and "positions" int32[T] (`pope_jax.data.packing`), passed to the model so that no
+token attends across a document boundary. The loss is the weighted mean next-token
 cross-entropy (weights select e.g. the final target token of indirect indexing, or every token of
 language modelling); evaluation reports "loss" (mean NLL per weighted token) and "accuracy"
 (weighted argmax accuracy) per split.
@@ -13,6 +15,12 @@ same data and dropout randomness as an uninterrupted run. Batches are sharded ov
 `jax.sharding.Mesh` of all devices (axis "data"): data parallel, and one CPU device works.
 Parameters and optimiser state are replicated, or with `TrainConfig.fsdp` sharded over the same
 axis (each large leaf split along its largest divisible dimension; XLA inserts the gathers).
+
+Checkpoint selection (`TrainConfig.select_split`, e.g. "valid"): each periodic evaluation
+compares every seed's loss on that split with its best so far and keeps the better parameters in
+`TrainState.best`, part of the same orbax checkpoint as the latest state (one atomic save, so a
+resumed run continues with the same best and ends bitwise identical). The results then give every
+split's metrics at each seed's best step as well as at the last step.
 
 Several seeds can train side by side in one program (`seeds=(0, 1, 2)`): the train state gets a
 leading member axis M and the step is `jax.vmap`ped over it, so small models fill a GPU; member m
@@ -66,6 +74,9 @@ class TrainState:
   step: Array          # [] int32, optimiser steps taken
   params: Any          # leaves [M, ...]
   opt_state: Any       # leaves [M, ...]
+  # With TrainConfig.select_split: {"params": leaves [M, ...], "step": [M] int32 (-1 before the
+  # first evaluation), "loss": [M] float32 (the split's loss at that step)}; else None.
+  best: Any = None
 
 
 @dataclasses.dataclass
@@ -74,12 +85,17 @@ class TrainResult:
 
   `steps_per_second` is measured over the steps this call trained; a run resumed after training
   had finished reports the speed logged by the run that trained it (NaN if none was logged).
+  With `TrainConfig.select_split`, `best_step`, `best_params` and `best_metrics` (every split,
+  whole) describe the parameters of the lowest periodic loss on that split; else they are None.
   """
   seed: int
   params: Any
   metrics: dict[str, dict[str, float]]
   history: list[dict[str, float]]
   steps_per_second: float
+  best_step: int | None = None
+  best_params: Any = None
+  best_metrics: dict[str, dict[str, float]] | None = None
 
 
 def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -138,6 +154,16 @@ def _cross_entropy_bwd(res, g):
 cross_entropy_with_integer_labels.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
+# Record fields passed to the model beside the tokens, where a source gives them.
+MODEL_INPUTS = ("positions", "segment_ids")
+
+
+def apply_model(model: Transformer, params: Any, batch: Batch, **kw) -> Array:
+  """Logits [B, T, V] of `batch["inputs"]` [B, T], with its positions and segment ids if any."""
+  extra = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+  return model.apply({"params": params}, batch["inputs"], **extra, **kw)
+
+
 def weighted_metrics(logits: Array, batch: Batch) -> dict[str, Array]:
   """Sums of weighted NLL, correct predictions and weights over a batch.
 
@@ -156,14 +182,32 @@ def init_state(model: Transformer, cfg: TrainConfig, seeds: Sequence[int], seq_l
                init_params: Any = None) -> TrainState:
   """Parameters and optimiser state of M = len(seeds) models, stacked on a leading axis.
 
-  `init_params` (one model's tree) replaces the fresh init of every member (fine-tuning).
+  `init_params` (one model's tree) replaces the fresh init of every member (fine-tuning). With
+  `cfg.select_split`, `best` starts as the initial parameters at step -1 and loss +inf.
   """
   def one(seed):
     params = (model.init(jax.random.key(seed), jnp.zeros((1, seq_len), jnp.int32))["params"]
               if init_params is None else init_params)
     return params, make_optimizer(cfg).init(params)
   params, opt_state = jax.vmap(one)(jnp.asarray(seeds, jnp.uint32))
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+  best = None
+  if cfg.select_split is not None:
+    m = len(seeds)
+    best = {"params": params, "step": jnp.full((m,), -1, jnp.int32),
+            "loss": jnp.full((m,), jnp.inf, jnp.float32)}
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
+                    best=best)
+
+
+def keep_best(best: dict, params: Any, loss: Array, step: Array) -> dict:
+  """`TrainState.best` updated with an evaluation: member m takes `params[m]` where
+  `loss[m]` (float32 [M]) is strictly below its best loss (a tie keeps the earlier step; NaN never
+  wins); `step` [] int32 is the step evaluated."""
+  better = loss < best["loss"]                                          # [M]
+  pick = lambda new, old: jnp.where(better.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+  return {"params": jax.tree.map(pick, params, best["params"]),
+          "step": jnp.where(better, step, best["step"]),
+          "loss": jnp.where(better, loss, best["loss"])}
 
 
 def state_shardings(state: TrainState, mesh: Mesh, fsdp: bool):
@@ -195,7 +239,7 @@ def make_train_step(model: Transformer, cfg: TrainConfig):
   optimizer = make_optimizer(cfg)
 
   def loss_fn(params, batch, dropout_key):
-    logits = model.apply({"params": params}, batch["inputs"], deterministic=False,
+    logits = apply_model(model, params, batch, deterministic=False,
                          rngs={"dropout": dropout_key})
     m = weighted_metrics(logits, batch)
     return m["nll_sum"] / jnp.maximum(m["weight_sum"], 1.0), m
@@ -214,8 +258,8 @@ def make_train_step(model: Transformer, cfg: TrainConfig):
   def train_step(state: TrainState, batches, seeds):
     params, opt_state, ms = jax.vmap(member_steps, in_axes=(0, 0, 0, 0, None))(
         state.params, state.opt_state, batches, seeds, state.step)
-    return TrainState(step=state.step + batches["inputs"].shape[1], params=params,
-                      opt_state=opt_state), ms
+    return state.replace(step=state.step + batches["inputs"].shape[1], params=params,
+                         opt_state=opt_state), ms
 
   return train_step
 
@@ -223,14 +267,15 @@ def make_train_step(model: Transformer, cfg: TrainConfig):
 def make_eval_step(model: Transformer):
   """`eval_step(params [M, ...], batch [B, T]) -> metric sums [M]`."""
   def eval_step(params, batch):
-    return weighted_metrics(model.apply({"params": params}, batch["inputs"]), batch)
+    return weighted_metrics(apply_model(model, params, batch), batch)
   return jax.vmap(eval_step, in_axes=(0, None))
 
 
 @functools.lru_cache(maxsize=4)   # Seeds trained one after another reuse one compile.
 def _step_functions(model_config: ModelConfig, cfg: TrainConfig, mesh: Mesh, members: int,
                     seq_len: int):
-  """(state shardings, jitted train step, jitted eval step) of M = `members` models.
+  """(state shardings, jitted train step, jitted eval step, jitted `keep_best`) of M =
+  `members` models.
 
   `cfg` comes with its seed and data_workers reset (neither enters the step), so every seed of a
   configuration shares these functions and their compiled programs within a process.
@@ -240,7 +285,9 @@ def _step_functions(model_config: ModelConfig, cfg: TrainConfig, mesh: Mesh, mem
   shardings = state_shardings(abstract, mesh, cfg.fsdp)
   train_step = jax.jit(make_train_step(model, cfg), donate_argnums=0,
                        out_shardings=(shardings, NamedSharding(mesh, P())))
-  return shardings, train_step, jax.jit(make_eval_step(model))
+  best = (None if shardings.best is None else
+          jax.jit(keep_best, donate_argnums=0, out_shardings=shardings.best))
+  return shardings, train_step, jax.jit(make_eval_step(model)), best
 
 
 def _train_batches(source, cfg: TrainConfig, seed: int, start_call: int):
@@ -418,7 +465,7 @@ def restore_state(manager: ocp.CheckpointManager, abstract: TrainState) -> Train
   return state
 
 
-def restore_params(workdir: str | Path, member: int = 0) -> Any:
+def restore_params(workdir: str | Path, member: int = 0, *, best: bool = False) -> Any:
   """One seed's parameters from the latest checkpoint of a `train_and_evaluate` run folder.
 
   Only the parameters are read (no optimiser state), as host numpy arrays, so a run trained on
@@ -427,6 +474,8 @@ def restore_params(workdir: str | Path, member: int = 0) -> Any:
   Args:
     workdir: the run folder (holds `checkpoints/`).
     member: m, the index of the seed among those trained together (`run.json`'s "seeds").
+    best: the best-validation parameters kept beside the latest (`TrainConfig.select_split`)
+      instead of the latest.
 
   Returns:
     The params tree of that seed (leaves without the member axis M).
@@ -434,6 +483,7 @@ def restore_params(workdir: str | Path, member: int = 0) -> Any:
   Raises:
     FileNotFoundError: workdir holds no checkpoint.
     IndexError: member outside 0..M-1.
+    ValueError: best=True for a run that selected no checkpoint.
   """
   path = (Path(workdir) / "checkpoints").absolute()
   if not has_checkpoints(workdir):
@@ -441,10 +491,17 @@ def restore_params(workdir: str | Path, member: int = 0) -> Any:
   step = max(int(p.name) for p in path.iterdir() if p.name.isdigit() and p.is_dir())
   item = path / str(step) / "default"         # the manager's one item (`checkpoint_manager`)
   handler = ocp.PyTreeCheckpointHandler()
-  meta = handler.metadata(item).tree["params"]
+  tree = handler.metadata(item).tree
+  if best and not isinstance(tree.get("best"), Mapping):
+    handler.close()
+    raise ValueError(f"{workdir} kept no best-validation parameters (trained without "
+                     f"TrainConfig.select_split)")
+  meta = tree["best"]["params"] if best else tree["params"]
   as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
-  params = handler.restore(item, args=ocp.args.PyTreeRestore(
-      item={"params": meta}, restore_args={"params": as_numpy}, partial_restore=True))["params"]
+  wrap = (lambda x: {"best": {"params": x}}) if best else (lambda x: {"params": x})
+  restored = handler.restore(item, args=ocp.args.PyTreeRestore(
+      item=wrap(meta), restore_args=wrap(as_numpy), partial_restore=True))
+  params = restored["best"]["params"] if best else restored["params"]
   handler.close()
   members = jax.tree.leaves(params)[0].shape[0]
   if not 0 <= member < members:
@@ -498,13 +555,17 @@ def train_and_evaluate(
 
   Raises:
     RunLockedError: another run is writing workdir.
-    ValueError: batch size not divisible by the device count, or an unreadable checkpoint.
+    ValueError: batch size not divisible by the device count, `select_split` not among
+      eval_sources, or an unreadable checkpoint.
     FileExistsError / FileNotFoundError / NotADirectoryError: see `checkpoint_manager`.
   """
   cfg = train_config
   seeds = tuple(int(s) for s in (seeds if seeds is not None else (cfg.seed,)))
   if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
     raise ValueError(f"seeds must be distinct, non-negative and non-empty, got {seeds}")
+  if cfg.select_split is not None and cfg.select_split not in eval_sources:
+    raise ValueError(f"TrainConfig.select_split={cfg.select_split!r} is not one of the "
+                     f"evaluation splits {sorted(eval_sources)}")
   workdir = Path(workdir)
   with (run_lock(workdir) if lock and jax.process_index() == 0 else contextlib.nullcontext()):
     return _train_and_evaluate(model_config, cfg, train_source, eval_sources, workdir, resume,
@@ -527,7 +588,7 @@ def _train_and_evaluate(model_config, cfg, train_source, eval_sources, workdir, 
       "model": dataclasses.asdict(model_config), "train": dataclasses.asdict(cfg),
       "seeds": list(seeds), "train_source": f"{type(train_source).__name__}[{len(train_source)}]"},
       resume=resume)
-  shardings, train_step, eval_step = _step_functions(
+  shardings, train_step, eval_step, update_best = _step_functions(
       model_config, dataclasses.replace(cfg, seed=0, data_workers=0), mesh, len(seeds), seq_len)
   init = lambda p: init_state(model, cfg, seeds, seq_len, p)
   state = jax.jit(init, out_shardings=shardings)(init_params)
@@ -571,9 +632,13 @@ def _train_and_evaluate(model_config, cfg, train_source, eval_sources, workdir, 
         record["steps_per_second"] = speed
     if step % cfg.eval_every == 0 or step == cfg.steps:
       records = records or [{"step": step, "seed": s} for s in seeds]
-      for record, em in zip(records, evaluate(eval_step, state.params, eval_sources,
-                                              cfg.batch_size, cfg.eval_batches, shard)):
+      evals = evaluate(eval_step, state.params, eval_sources, cfg.batch_size, cfg.eval_batches,
+                       shard)
+      for record, em in zip(records, evals):
         record.update({f"{split}_{k}": v for split, d in em.items() for k, v in d.items()})
+      if update_best is not None:
+        loss = np.asarray([em[cfg.select_split]["loss"] for em in evals], np.float32)
+        state = state.replace(best=update_best(state.best, state.params, loss, np.int32(step)))
     for record in records or ():
       history.append(record)
       metrics_file.write(json.dumps(record) + "\n")
@@ -585,6 +650,13 @@ def _train_and_evaluate(model_config, cfg, train_source, eval_sources, workdir, 
   metrics_file.close()
   final = evaluate(eval_step, state.params, eval_sources, cfg.batch_size, None, shard)
   params = jax.device_get(state.params)
-  return [TrainResult(seed=s, params=jax.tree.map(lambda x: x[i], params), metrics=final[i],
-                      history=[h for h in history if h["seed"] == s], steps_per_second=speed)
-          for i, s in enumerate(seeds)]
+  results = [TrainResult(seed=s, params=jax.tree.map(lambda x: x[i], params), metrics=final[i],
+                         history=[h for h in history if h["seed"] == s], steps_per_second=speed)
+             for i, s in enumerate(seeds)]
+  if state.best is not None:
+    at_best = evaluate(eval_step, state.best["params"], eval_sources, cfg.batch_size, None, shard)
+    best = jax.device_get(state.best)
+    for i, r in enumerate(results):
+      r.best_step, r.best_metrics = int(best["step"][i]), at_best[i]
+      r.best_params = jax.tree.map(lambda x: x[i], best["params"])
+  return results

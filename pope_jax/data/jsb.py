@@ -29,6 +29,8 @@ from typing import Sequence
 
 import numpy as np
 
+from pope_jax.data.packing import document_segments
+
 VOICES = ("soprano", "alto", "tenor", "bass")
 SILENCE = 0
 PITCH_MIN, PITCH_MAX = 21, 108          # MIDI, inclusive: tokens 1..88.
@@ -127,12 +129,16 @@ class ChoraleSource:
   sequence (BOS + raster), padded with silence at zero weight, so every note token is a target
   exactly once and a window never spans two pieces. With `pack`, the pieces' token sequences are
   instead concatenated in order into one stream cut the same way (no padding but in the last
-  window; a window may span pieces, and BOS is then a target too). With `transpositions`, every
+  window), and each record also carries the pieces' `segment_ids` and `positions`
+  (`pope_jax.data.packing`: a piece starts at its BOS, positions restart there), so that no
+  token attends across a piece boundary; BOS stays an input only (a target of weight 0), so the
+  packed windows score the same note tokens as unpacked ones. With `transpositions`, every
   record appears once per semitone shift (index i → record i // len(transpositions), shift
   i % len(transpositions)): augmentation that stays random-access and deterministic; the
   trainer's shuffle mixes the shifts.
 
-  Record: {"inputs": int32[T], "targets": int32[T], "weights": float32[T]}.
+  Record: {"inputs": int32[T], "targets": int32[T], "weights": float32[T]}, and with `pack`
+  "segment_ids", "positions": int32[T].
   """
 
   def __init__(self, pieces: Sequence[np.ndarray], seq_len: int, *,
@@ -189,6 +195,9 @@ class ChoraleSource:
            "targets": np.full(self.seq_len, SILENCE, np.int32),
            "weights": np.zeros(self.seq_len, np.float32)}
     out["inputs"][:n], out["targets"][:n], out["weights"][:n] = tokens[:-1], tokens[1:], 1.0
+    if self.pack:
+      out["weights"][out["targets"] == BOS] = 0.0
+      out["segment_ids"], out["positions"] = document_segments(out["inputs"] == BOS)
     return out
 
   def __repr__(self) -> str:

@@ -28,6 +28,8 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from pope_jax.data.packing import document_segments
+
 UINT16_VOCAB_LIMIT = 1 << 16
 EOT = "<|endoftext|>"
 # Held-out works (modern edition names; the Folio edition uses the matching `*_gut_f` files).
@@ -222,10 +224,17 @@ class TokenWindowSource:
   "targets" the last T, "weights" ones. With stride = T (default) windows tile the file and each
   token is a target once (the standard evaluation at context T); a smaller stride gives more,
   overlapping training windows.
+
+  With `document_start` (the id of the token between documents, e.g. `EOT`), the documents
+  packed in a window are kept apart: records also carry "segment_ids" and "positions" int32[T]
+  (`pope_jax.data.packing`), a document starting at each such input token (GPT-2's convention:
+  the end-of-text token that closes one document is the first input of the next, so the model
+  still learns to predict it, from the document it closes).
   """
 
   def __init__(self, path: str | os.PathLike, seq_len: int, *, stride: int | None = None,
-               dtype: str = "uint16", vocab_size: int | None = None):
+               dtype: str = "uint16", vocab_size: int | None = None,
+               document_start: int | None = None):
     """
     Args:
       path: token file.
@@ -233,6 +242,7 @@ class TokenWindowSource:
       stride: window step (default T).
       dtype: token dtype of the file.
       vocab_size: if given, checked against the file's largest id (one pass over the file).
+      document_start: None, or the token id that starts each packed document (class docstring).
 
     Raises:
       ValueError: bad seq_len/stride, a malformed file (see `read_tokens`), a file shorter than
@@ -241,6 +251,7 @@ class TokenWindowSource:
     if seq_len < 1 or (stride is not None and stride < 1):
       raise ValueError(f"seq_len and stride must be positive, got {seq_len} and {stride}")
     self.path, self.seq_len, self.dtype = Path(path), seq_len, dtype
+    self.document_start = document_start
     self.stride = seq_len if stride is None else stride
     tokens = read_tokens(self.path, dtype)
     self.num_tokens = len(tokens)
@@ -261,15 +272,19 @@ class TokenWindowSource:
       self._tokens = read_tokens(self.path, self.dtype)
     start = (index % len(self)) * self.stride
     window = np.asarray(self._tokens[start:start + self.seq_len + 1], np.int32)
-    return {"inputs": window[:-1], "targets": window[1:],
-            "weights": np.ones(self.seq_len, np.float32)}
+    record = {"inputs": window[:-1], "targets": window[1:],
+              "weights": np.ones(self.seq_len, np.float32)}
+    if self.document_start is not None:
+      record["segment_ids"], record["positions"] = document_segments(
+          record["inputs"] == self.document_start)
+    return record
 
   def __getstate__(self):
     return {**self.__dict__, "_tokens": None}
 
   def __repr__(self) -> str:
     return (f"TokenWindowSource({str(self.path)!r}, seq_len={self.seq_len}, stride={self.stride},"
-            f" {len(self)} windows)")
+            f" document_start={self.document_start}, {len(self)} windows)")
 
 
 def prepare_shakespeare(out_dir: str | os.PathLike, *, tokenizer: str = "bpe",
@@ -353,9 +368,32 @@ def load_tokenizer(data_dir: str | os.PathLike):
   return Tokenizer.from_file(str(path))
 
 
+def document_start_id(data_dir: str | os.PathLike) -> int:
+  """The id of the token between documents in a data folder: meta.json's "eot_id", else `EOT`
+  in its tokenizer.json (`prepare_shakespeare`'s BPE).
+
+  Raises:
+    ValueError: neither gives one (a character tokenizer joins works with a blank line, which
+      is no single token), naming the folder.
+  """
+  data_dir = Path(data_dir)
+  meta_file = data_dir / "meta.json"
+  meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+  if meta.get("eot_id") is not None:
+    return int(meta["eot_id"])
+  if (data_dir / "tokenizer.json").exists():
+    tok = load_tokenizer(data_dir)
+    eot = tok.token_to_id(EOT) if hasattr(tok, "token_to_id") else None
+    if eot is not None:
+      return int(eot)
+  raise ValueError(f"{data_dir}: no token separates the documents (no 'eot_id' in meta.json and "
+                   f"no {EOT} in tokenizer.json), so they cannot be kept apart when packed")
+
+
 def token_sources(data_dir: str | os.PathLike, seq_len: int, *,
                   train_stride: int | None = None, dtype: str | None = None,
-                  splits: Mapping[str, str] | None = None) -> dict[str, TokenWindowSource]:
+                  splits: Mapping[str, str] | None = None,
+                  document_start: int | None = None) -> dict[str, TokenWindowSource]:
   """Sources for the `*.bin` files of a data folder (meta.json optional).
 
   Args:
@@ -365,6 +403,8 @@ def token_sources(data_dir: str | os.PathLike, seq_len: int, *,
     train_stride: window stride for "train" (default T); evaluation splits always use T.
     dtype: token dtype (default: meta.json's, else uint16).
     splits: split name → file name (default meta.json's "files", else train/valid .bin).
+    document_start: None, or the id that starts each document (`document_start_id`): every
+      split's records then carry segment ids and positions (`TokenWindowSource`).
   """
   data_dir = Path(data_dir)
   meta = json.loads((data_dir / "meta.json").read_text()) if (data_dir / "meta.json").exists() \
@@ -373,5 +413,6 @@ def token_sources(data_dir: str | os.PathLike, seq_len: int, *,
   splits = splits or meta.get("files", {"train": "train.bin", "valid": "valid.bin"})
   return {name: TokenWindowSource(data_dir / f, seq_len, dtype=dtype,
                                   stride=train_stride if name == "train" else None,
-                                  vocab_size=meta.get("vocab_size"))
+                                  vocab_size=meta.get("vocab_size"),
+                                  document_start=document_start)
           for name, f in splits.items()}

@@ -42,6 +42,9 @@ class Preset:
   vocab_size: int = 4096             # BPE vocabulary requested.
   works: tuple[str, ...] | None = None
   train_stride: int | None = None    # Window stride over train.bin (default seq_len).
+  # Keep the documents of a window apart (segment ids, positions restarting at each document,
+  # `text.TokenWindowSource`) in every split; needs an end-of-text id (`text.document_start_id`).
+  pack: bool = False
   description: str = ""
   expect: str = ""                   # What the results show at this budget (results.md).
 
@@ -187,7 +190,8 @@ def train_model(preset: Preset, encoding: str, out: Path, *, resume: bool, progr
   """Trains one model, or reloads it when OUT/<name> holds a finished run of the same config.
 
   Args:
-    name: the run folder under `out` (default `run_name(encoding, train_cfg.seed)`).
+    name: the run folder under `out` (default `run_name(encoding, train_cfg.seed)`, with
+      "_packed" after the encoding for a packed preset).
     train_cfg: default the preset's; its seed picks init, dropout and data order.
 
   Returns:
@@ -198,16 +202,18 @@ def train_model(preset: Preset, encoding: str, out: Path, *, resume: bool, progr
   model_cfg = model_cfg or model_config(preset, encoding, meta)
   train_cfg = train_cfg or preset.train
   seq_len = seq_len or preset.seq_len
-  name = name or run_name(encoding, train_cfg.seed)
+  name = name or run_name(encoding + ("_packed" if preset.pack else ""), train_cfg.seed)
   workdir = out / name
   result_file, params_file = workdir / "result.json", workdir / "params.msgpack"
-  config = {"model": model_cfg, "train": train_cfg}
+  config = {"model": model_cfg, "train": train_cfg, **({"pack": True} if preset.pack else {})}
   if result_file.exists() and params_file.exists():          # Finished with the same config.
     done = json.loads(result_file.read_text())
     if done["config"] == json.loads(json.dumps(reporting.to_jsonable(config))):
       return done, load_params(params_file), model_cfg
   stride = preset.train_stride and min(preset.train_stride, seq_len)
-  sources = text.token_sources(data_dir, seq_len, splits=files, train_stride=stride)
+  sources = text.token_sources(
+      data_dir, seq_len, splits=files, train_stride=stride,
+      document_start=text.document_start_id(data_dir) if preset.pack else None)
   extra = {} if init_params is None else {"init_params": init_params}
   result = train_and_evaluate(
       model_cfg, train_cfg, train_source=sources["train"],

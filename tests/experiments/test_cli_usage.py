@@ -6,7 +6,8 @@ import json
 import pytest
 
 from experiments import (bench_llama, indirect_indexing, jsb, language_model, lpes_ablations,
-                         lpes_eval, lpes_generate, lpes_latency, lpes_search, moice_train)
+                         lpes_eval, lpes_generate, lpes_latency, lpes_search, moice_sweep,
+                         moice_train)
 
 
 def _never(*args, **kwargs):
@@ -139,7 +140,7 @@ def test_every_flag_has_help_and_its_default_once(capsys, monkeypatch):
   real = common.make_parser
   monkeypatch.setattr(common, "make_parser", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
   for module in (indirect_indexing, jsb, language_model, lpes_eval, lpes_generate, lpes_latency,
-                 lpes_search, bench_llama, moice_train, lpes_ablations):
+                 lpes_search, bench_llama, moice_train, moice_sweep, lpes_ablations):
     name = module.__name__.split(".")[-1]
     with pytest.raises(SystemExit) as e:
       module.main(["--help"])
@@ -159,6 +160,7 @@ def test_help_lists_the_presets(capsys):
                           (jsb, jsb.task.PRESETS), (language_model, language_model.lm.PRESETS),
                           (lpes_latency, lpes_latency.PRESETS),
                           (moice_train, moice_train.PRESETS),
+                          (moice_sweep, moice_sweep.PRESETS),
                           (lpes_ablations, lpes_ablations.PRESETS)):
     with pytest.raises(SystemExit):
       module.main(["--help"])

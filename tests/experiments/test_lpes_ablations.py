@@ -171,3 +171,42 @@ def test_multiplier_sets_decode_as_the_named_methods():
   scores = evaluate.evaluate_multipliers(evaluate.multipliers_generator(config, params), tok,
                                          config, task, ev, mults, log=lambda _: None)
   assert set(scores) == {"0", "1", "2"} and scores["1"].shape == (2, 3)
+
+
+def test_reuse_record_evaluates_only_moice_on_the_recorded_examples(tmp_path, capsys):
+  first = tmp_path / "first"
+  argv = ["--preset", "smoke", "--methods", "bezier", "--search-seeds", "0", "--heldout-seeds",
+          "3", "--transfer-pairs", "0", "--no-progress"]
+  lpes_ablations.main(argv + ["--out", str(first)])
+  record = tmp_path / "record"                   # Kept as docs/raw/lpes/ablations keeps a run.
+  (record / "search").mkdir(parents=True)
+  for name in ("config.json", "results.json"):
+    (record / name).write_text((first / name).read_text())
+  (record / "search" / "bezier_seed0.json").write_text(
+      (first / "search/bezier/seed0/results.json").read_text())
+  routers = _smoke_routers(tmp_path / "routers", 4)
+  capsys.readouterr()
+  out = tmp_path / "again"
+  lpes_ablations.main(argv + ["--out", str(out), "--reuse-record", str(record),
+                              "--moice-routers", routers])
+  log = capsys.readouterr().out
+  assert "seed 3, base: done, skipped" in log and "seed 3, searched: done, skipped" in log
+  assert "search bezier seed 0: done, skipped" in log
+  old, new = (json.loads((d / "results.json").read_text()) for d in (first, out))
+  assert new["scores"]["3"]["3"]["base"] == old["scores"]["3"]["3"]["base"]
+  assert "moice" in new["summary"]["3"]["methods"]
+  with pytest.raises(SystemExit):                 # A folder that holds a run is not overwritten.
+    lpes_ablations.main(argv + ["--out", str(out), "--reuse-record", str(record)])
+  assert "already holds an ablation run" in capsys.readouterr().err
+
+
+def test_the_recorded_h100_run_seeds_a_run_folder(tmp_path):
+  from pathlib import Path
+  record = Path(__file__).resolve().parents[2] / "docs/raw/lpes/ablations"
+  lpes_ablations.seed_from_record(str(record), str(tmp_path))
+  scores = json.loads((record / "results.json").read_text())["scores"]
+  base = json.loads((tmp_path / "eval/pairs10/seed4/base.json").read_text())
+  assert base == {"base": scores["10"]["4"]["base"]}
+  searched = json.loads((tmp_path / "eval/pairs6/seed3/searched.json").read_text())
+  assert len(searched) == 12 and "bezier/seed2" in searched
+  assert (tmp_path / "search/global/seed1/results.json").is_file()

@@ -85,3 +85,47 @@ def test_moice_eval_refuses_routers_of_another_model(capsys, tmp_path, monkeypat
       "--model", f"{FIXTURES}/llama_gqa_tied_linear", "--method", "moice", "--moice-routers",
       str(tmp_path / "r"), "--num-pairs", "2", "--out", str(tmp_path / "o")])
   assert "--moice-routers" in err and "2 layers" in err
+
+
+def test_sweep_chooses_the_lr_per_budget_then_the_budget_by_heldout_loss():
+  from experiments import moice_sweep
+  history = lambda losses: [{"step": s, "heldout_loss": l} for s, l in losses.items()]
+  runs = [{"learning_rate": 1e-4, "history": history({7: 3.0, 50: 2.9, 200: 2.8})},
+          {"learning_rate": 1e-3, "history": history({7: 2.95, 50: 2.7, 200: 2.85})}]
+  record = moice_sweep.choose(runs, (7, 50, 200))
+  assert {b: g["learning_rate"] for b, g in record["per_budget"].items()} == {
+      7: 1e-3, 50: 1e-3, 200: 1e-4}
+  assert (record["best"]["budget"], record["best"]["learning_rate"]) == (50, 1e-3)
+  assert len(record["grid"]) == 6
+
+
+@pytest.mark.slow
+def test_sweep_smoke_writes_the_grid_and_the_best_routers(gguf, tmp_path, capsys):
+  from experiments import moice_sweep
+  out = tmp_path / "sweep"
+  argv = ["--model", gguf, "--preset", "smoke", "--out", str(out), "--resume"]
+  moice_sweep.main(argv + ["--learning-rates", "0.01"])      # One learning rate per command,
+  first = (out / "lr_0.01" / "history.json").read_text()
+  record = moice_sweep.main(argv)                             # then all: the first is reused.
+  assert (out / "lr_0.01" / "history.json").read_text() == first
+  assert "resumed at step 3" in capsys.readouterr().out
+  assert {(g["learning_rate"], g["budget"]) for g in record["grid"]} == {
+      (1e-2, 1), (1e-2, 3), (3e-2, 1), (3e-2, 3)}
+  for g in record["grid"]:
+    assert 0 < g["heldout_router_entropy"] <= 1.9460 and g["heldout_loss"] > 0
+  moice.load_moice_config(out / "best")
+  for name in ("results.md", "results.json", "loss.png", "heldout.png"):
+    assert (out / name).is_file()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--heldout-seed", "1000"], "--heldout-seed must differ from --seed"),
+    (["--budgets", "7,0"], "--budgets: expected comma-separated positive integers"),
+    (["--learning-rates", "1e-3,-1"], "--learning-rates: expected comma-separated positive numbers"),
+    (["--task", "mdqa", "--mdqa-file", __file__], "--task: MoICE trains on KV retrieval"),
+])
+def test_moice_sweep_flags(model, capsys, tmp_path, flags, message):
+  from experiments import moice_sweep
+  err = _usage_error(capsys, moice_sweep.main, model + ["--out", str(tmp_path / "o")] + flags)
+  assert message in err
+  assert not (tmp_path / "o").exists()

@@ -191,7 +191,8 @@ def test_router_gradient_matches_finite_differences(params):
 def test_training_lowers_the_loss_and_changes_only_the_routers(params):
   tokens, mask = _batch(b=4, t=12)
   tokens, mask = tokens.reshape(2, 2, 12), mask.reshape(2, 2, 12)
-  tcfg = moice_training.TrainConfig(steps=6, batch_size=4, micro_batch=2, learning_rate=3e-2)
+  tcfg = moice_training.RouterTrainConfig(steps=6, batch_size=4, micro_batch=2,
+                                          learning_rate=3e-2)
   opt = moice_training.make_optimizer(tcfg)
   step = moice_training.make_train_step(CFG, MCFG, opt)
   routers = start = _routers(std=0.02)
@@ -205,6 +206,48 @@ def test_training_lowers_the_loss_and_changes_only_the_routers(params):
   jax.tree.map(np.testing.assert_array_equal, params, frozen)
   assert all(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(routers),
                                                    jax.tree.leaves(start)))
+
+
+def _data(seed, n, t=12):
+  tokens, mask = _batch(seed=seed, b=n, t=t)
+  return moice_training.TrainData(np.asarray(tokens), np.asarray(mask))
+
+
+@pytest.mark.slow
+def test_one_constant_lr_run_serves_every_budget_with_heldout_metrics(params, tmp_path):
+  """The snapshot after s steps equals a run of budget s; held-out metrics at the snapshots; the
+  data pool is cycled; router entropy is at most log E and near it for a fresh router."""
+  tcfg = moice_training.RouterTrainConfig(steps=5, batch_size=4, micro_batch=2,
+                                          learning_rate=3e-2)
+  data, heldout = _data(1, 8), _data(9, 4)          # A pool of 2 steps, cycled over 5.
+  run = lambda steps, folder, **kw: moice_training.train_routers(
+      CFG, params, data, MCFG, dataclasses.replace(tcfg, steps=steps), tmp_path / folder,
+      run_info={"steps": steps}, log=lambda _: None, **kw)
+  long = run(5, "long", heldout=heldout, snapshot_steps=(1, 3))
+  short = run(3, "short")
+  held = [h["step"] for h in long["history"] if "heldout_loss" in h]
+  assert held == [1, 3, 5]
+  snapshot, _ = moice.load_routers(tmp_path / "long" / "step_3", CFG)
+  jax.tree.map(np.testing.assert_array_equal, snapshot, jax.device_get(short["routers"]))
+  log_e = np.log(MCFG.num_experts)
+  entropy = [h["router_entropy"] for h in long["history"]]
+  assert all(0 < e <= log_e + 1e-6 for e in entropy) and entropy[0] > 0.9 * log_e
+  # Steps 1 and 3 train on the same sequences (pool of two batches).
+  assert long["history"][0]["loss"] != long["history"][1]["loss"]
+  with pytest.raises(ValueError, match="multiple of batch_size 4"):
+    moice_training.train_routers(CFG, params, _data(1, 6), MCFG, tcfg, tmp_path / "bad",
+                                 run_info={})
+  with pytest.raises(ValueError, match=r"snapshot_steps \(9,\) must lie in 1..5"):
+    moice_training.train_routers(CFG, params, data, MCFG, tcfg, tmp_path / "bad2", run_info={},
+                                 snapshot_steps=(9,))
+
+
+def test_router_entropy_by_hand():
+  logits = jnp.log(jnp.asarray([[0.5, 0.25, 0.25], [1.0, 1e-30, 1e-30]]))[None, None, :, None]
+  mask = jnp.asarray([[True, False]])
+  want = -(0.5 * np.log(0.5) + 2 * 0.25 * np.log(0.25))
+  np.testing.assert_allclose(moice.router_entropy(logits, mask), want, rtol=1e-6)
+  np.testing.assert_allclose(moice.router_entropy(logits), want / 2, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,7 +315,7 @@ def test_bad_moice_config(kwargs, message):
 
 def test_bad_train_config():
   with pytest.raises(ValueError, match="batch_size .* multiple of micro_batch"):
-    moice_training.TrainConfig(batch_size=6, micro_batch=4)
+    moice_training.RouterTrainConfig(batch_size=6, micro_batch=4)
 
 
 def test_lpes_eval_generator_decodes_with_the_saved_routers(params, tmp_path):

@@ -114,10 +114,12 @@ def test_packed_source_is_one_stream():
   src = jsb.ChoraleSource(pieces, seq_len=16, pack=True)
   assert len(src) == 4                                              # 53 targets → 16+16+16+5
   recs = [src[i] for i in range(4)]
-  np.testing.assert_array_equal(np.concatenate([r["targets"][r["weights"] > 0] for r in recs]),
-                                stream[1:])
+  # Every note token is a target once; the second piece's BOS is an input only (weight 0).
+  targets = np.concatenate([r["targets"][r["weights"] > 0] for r in recs])
+  np.testing.assert_array_equal(targets, np.delete(stream[1:], 40))
   np.testing.assert_array_equal(recs[2]["inputs"], stream[32:48])  # Spans both pieces.
   assert recs[3]["weights"].sum() == 5 and (recs[2]["targets"] == jsb.BOS).sum() == 1
+  assert recs[2]["weights"][recs[2]["targets"] == jsb.BOS].sum() == 0
   aug = jsb.ChoraleSource(pieces, seq_len=16, transpositions=(0, 2), pack=True)
   assert len(aug) == 8
   np.testing.assert_array_equal(aug[1]["inputs"][1:], np.where(
@@ -125,3 +127,26 @@ def test_packed_source_is_one_stream():
   sources = jsb.jsb_sources(2048, pack_train=True)
   assert sources["train"].pack and not sources["test"].pack
   assert len(sources["train"]) == -(-(4 * 55228 + 229 - 1) // 2048)
+
+
+def test_packed_segments_follow_the_pieces_and_positions_restart_at_bos():
+  rng = np.random.default_rng(2)
+  pieces = [rng.integers(50, 70, (u, 4)).astype(np.int16) for u in (10, 3, 1, 6)]
+  stream = np.concatenate([jsb.tokenize(p) for p in pieces])
+  piece_of = np.repeat(np.arange(4), [1 + 4 * len(p) for p in pieces])       # [stream]
+  offset = np.concatenate([np.arange(1 + 4 * len(p)) for p in pieces])        # within its piece
+  src = jsb.ChoraleSource(pieces, seq_len=16, pack=True)
+  for i in range(len(src)):
+    r, start = src[i], 16 * i
+    n = min(16, len(stream) - 1 - start)
+    seg, pos = r["segment_ids"][:n], r["positions"][:n]
+    # Same segment exactly when same piece; segments count up from 0 within the window.
+    same = piece_of[start:start + n]
+    np.testing.assert_array_equal(seg[:, None] == seg[None], same[:, None] == same[None])
+    assert seg[0] == 0 and set(np.diff(seg)) <= {0, 1}
+    # Positions restart at each BOS; a piece begun before the window counts from its start.
+    first = same == same[0]
+    np.testing.assert_array_equal(pos[~first], offset[start:start + n][~first])
+    np.testing.assert_array_equal(pos[first], np.arange(first.sum()))
+    assert r["segment_ids"].dtype == r["positions"].dtype == np.int32
+  assert "segment_ids" not in jsb.ChoraleSource(pieces, seq_len=16)[0]

@@ -76,6 +76,10 @@ def test_prepare_roundtrip(tmp_path, texts_dir, tokenizer):
   if tokenizer == "bpe":
     assert meta["vocab_size"] <= 300 and ids[-1] == tok.token_to_id(text.EOT)
     assert len(ids) < len("HAMLET\nTo be, or not to be.\n")     # merges were learned
+    assert text.document_start_id(tmp_path / "out") == tok.token_to_id(text.EOT)
+  else:
+    with pytest.raises(ValueError, match="no token separates the documents"):
+      text.document_start_id(tmp_path / "out")
   # Same settings: reused, not rebuilt.
   mtime = (tmp_path / "out" / "train.bin").stat().st_mtime_ns
   assert text.prepare_shakespeare(tmp_path / "out", tokenizer=tokenizer, vocab_size=300,
@@ -127,3 +131,20 @@ def test_token_sources_nanogpt_layout(tmp_path):
   srcs = text.token_sources(tmp_path, 8, train_stride=4,
                             splits={"train": "train.bin", "valid": "val.bin"})
   assert len(srcs["train"]) == 23 and len(srcs["valid"]) == 4
+
+
+def test_packed_windows_keep_documents_apart(tmp_path):
+  # Three documents closed by EOT = 0: [5 6 7 0] [8 9 0] [3 4 5 6 0].
+  docs = [[5, 6, 7], [8, 9], [3, 4, 5, 6]]
+  stream = [t for d in docs for t in d + [0]]
+  text.write_tokens(tmp_path / "train.bin", stream, vocab_size=10)
+  src = text.TokenWindowSource(tmp_path / "train.bin", seq_len=5, stride=2, document_start=0)
+  rec = src[1]                                           # inputs 7 0 8 9 0, targets 0 8 9 0 3
+  assert rec["inputs"].tolist() == [7, 0, 8, 9, 0]
+  assert rec["segment_ids"].tolist() == [0, 1, 1, 1, 2]
+  assert rec["positions"].tolist() == [0, 0, 1, 2, 0]
+  assert "segment_ids" not in text.TokenWindowSource(tmp_path / "train.bin", seq_len=5)[1]
+  (tmp_path / "meta.json").write_text('{"eot_id": 0}')
+  srcs = text.token_sources(tmp_path, 5, splits={"train": "train.bin"},
+                            document_start=text.document_start_id(tmp_path))
+  assert srcs["train"][0]["segment_ids"].tolist() == [0, 0, 0, 1, 1]     # inputs 5 6 7 0 8

@@ -93,6 +93,80 @@ t._run({str(tmp_path / 'resumed')!r})
   assert [h["step"] for h in resumed.history] == [h["step"] for h in full.history]
 
 
+class _WrongTargets:
+  """The validation split scored against a wrong target, the pad token, where the answer letter
+  belongs: its loss rises as the model learns, so the best checkpoint is an early one."""
+
+  def __init__(self, source):
+    self.source = source
+
+  def __len__(self):
+    return len(self.source)
+
+  def __getitem__(self, i):
+    r = dict(self.source[i])
+    r["targets"] = np.zeros_like(r["targets"])
+    return r
+
+
+SELECT = dataclasses.replace(TRAIN, select_split="wrong", eval_every=4)
+
+
+def _run_selecting(workdir, **kw):
+  valid = task.IndirectIndexingSource(TASK, "validation")
+  return train_and_evaluate(
+      MODEL, SELECT, train_source=task.IndirectIndexingSource(TASK, "train"),
+      eval_sources={"validation": valid, "wrong": _WrongTargets(valid)}, workdir=workdir,
+      progress=False, **kw)
+
+
+@pytest.mark.slow
+def test_best_checkpoint_is_the_lowest_periodic_loss_and_restores(tmp_path):
+  results = _run_selecting(tmp_path, seeds=(0, 1))
+  for m, r in enumerate(results):
+    evals = [(h["wrong_loss"], h["step"]) for h in r.history if "wrong_loss" in h]
+    assert r.best_step == min(evals)[1] < SELECT.steps      # The earliest of equal losses.
+    assert r.best_metrics["wrong"]["loss"] < r.metrics["wrong"]["loss"]
+    for a, b in zip(_leaves(r.best_params), _leaves(train_lib.restore_params(tmp_path, m,
+                                                                              best=True))):
+      np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(_leaves(r.best_params)[0], _leaves(r.params)[0])
+
+
+@pytest.mark.slow
+def test_best_checkpoint_survives_kill_and_resume(tmp_path):
+  (full,) = _run_selecting(tmp_path / "full")
+  assert full.best_step <= 12       # Kept in the step-12 checkpoint that the resume reads.
+  code = f"""
+import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+import tests.pope_jax.test_train as t
+import pope_jax.train as tr
+orig = tr.ocp.CheckpointManager.save
+def save_then_die(self, step, *a, **k):
+  orig(self, step, *a, **k)
+  if step == 12:
+    self.wait_until_finished(); import os; os._exit(3)
+tr.ocp.CheckpointManager.save = save_then_die
+t._run_selecting({str(tmp_path / 'resumed')!r})
+"""
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+  assert proc.returncode == 3, proc.stderr[-2000:]
+  with pytest.warns(UserWarning, match="taking over the lock"):
+    (resumed,) = _run_selecting(tmp_path / "resumed", resume=True)
+  assert resumed.best_step == full.best_step and resumed.best_metrics == full.best_metrics
+  for a, b in zip(_leaves((full.params, full.best_params)),
+                  _leaves((resumed.params, resumed.best_params))):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_select_split_must_be_evaluated_and_best_needs_selection(finished, tmp_path):
+  with pytest.raises(ValueError, match=r"select_split='valid' is not one of .*'validation'"):
+    _run(tmp_path, train=dataclasses.replace(SHORT, select_split="valid"))
+  with pytest.raises(ValueError, match="kept no best-validation parameters"):
+    train_lib.restore_params(finished[0], best=True)
+  assert finished[1].best_step is None and finished[1].best_params is None
+
+
 def test_seeds_trained_together_equal_seeds_trained_alone(tmp_path):
   together = _run(tmp_path / "together", seeds=(0, 5))
   (alone,) = _run(tmp_path / "alone", train=dataclasses.replace(TRAIN, seed=5))
