@@ -1,11 +1,7 @@
 """Packed documents in training: segment ids and positions reach the model, and a document inside
-a packed window is modelled as if it stood alone.
-
-The end-to-end tests need `Transformer.__call__(..., segment_ids=...)` (segment-aware attention);
-they are skipped where the model does not take segment ids yet, and run as soon as it does."""
+a packed window is modelled as if it stood alone."""
 
 import dataclasses
-import inspect
 
 import jax
 import numpy as np
@@ -15,11 +11,6 @@ from pope_jax import ModelConfig
 from pope_jax import train as train_lib
 from pope_jax.data import jsb
 from pope_jax.model import Transformer
-
-needs_segment_ids = pytest.mark.skipif(
-    "segment_ids" not in inspect.signature(Transformer.__call__).parameters,
-    reason="pope_jax.Transformer takes no segment_ids yet")
-
 
 def _packed_window():
   rng = np.random.default_rng(0)
@@ -43,7 +34,6 @@ def test_apply_model_passes_positions_and_segment_ids_when_the_batch_has_them():
   assert model.kw == {}
 
 
-@needs_segment_ids
 @pytest.mark.parametrize("encoding", ["rope", "pope"])
 def test_a_packed_chorale_is_modelled_as_if_alone(encoding):
   pieces, rec = _packed_window()
@@ -63,7 +53,6 @@ def test_a_packed_chorale_is_modelled_as_if_alone(encoding):
                                rtol=1e-5, atol=1e-5)
 
 
-@needs_segment_ids
 @pytest.mark.slow
 def test_jsb_smoke_trains_packed(tmp_path):
   from experiments import jsb as cli
@@ -72,7 +61,6 @@ def test_jsb_smoke_trains_packed(tmp_path):
   assert 0 < summary["pope"] < 10
 
 
-@needs_segment_ids
 @pytest.mark.slow
 def test_language_model_smoke_trains_packed(tmp_path):
   from experiments import language_model as cli
