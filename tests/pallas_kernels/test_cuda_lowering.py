@@ -4,8 +4,7 @@ The CPU interpreter runs the kernels with SMEM-operand matmuls and without the p
 handshakes (`_streaming.interpreted`); these tests lower the paths that only the GPU runs
 (register-operand wgmmas, the ping-pong handshakes, the backward's FlashAttention-3 order,
 the epilogues) through Pallas' Mosaic GPU lowering to NVVM, so an op it cannot lower fails here
-rather than on the GPU. They do not run ptxas or the kernels (experiments.bench_attention
---check does, on a GPU).
+rather than on the GPU. They do not run ptxas or the kernels (tests/gpu/ does, on a GPU).
 """
 
 from __future__ import annotations

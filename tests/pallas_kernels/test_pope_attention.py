@@ -113,7 +113,7 @@ def test_matches_reference_forward_and_grads(case):
 @pytest.mark.parametrize("head_dim, max_position", [(32, 4096), (128, 400_000), (64, 2**20)])
 def test_cartesian_halves_match_reference_map(head_dim, max_position):
   # The forward kernel's query map, run as plain jnp on CPU (exact cos/sin here; the GPU's
-  # approximations add ~1e-6, checked end to end by experiments.bench_attention --check). Both
+  # approximations add ~1e-6, checked end to end by the tests/gpu/ tests). Both
   # it and the reference map take pos·θ as one float32 product; the kernel then reduces it by
   # 2π, exactly below 4e5 rad and within half an ulp of pos·θ above.
   ks = jax.random.split(jax.random.key(head_dim), 3)
@@ -450,7 +450,7 @@ def test_persistent_launch_over_tiles(head_dim, is_causal):
   # Three query and key tiles per head, two heads: 6 items per kernel. The interpreter runs
   # one item per CTA (`_streaming.num_sms`), so this checks
   # the item numbering and the schedule tables; several items per CTA, the query prefetch and
-  # the ring of slots across items run only on the GPU (experiments.bench_attention --check).
+  # the ring of slots across items run only on the GPU (the tests/gpu/ tests).
   # (At H = 128, non-causal, this shape sometimes never finished in the interpreter on 2 cores,
   # with one tile per CTA too.)
   q, k, v, delta, cot = _problem((1, 2, 1, head_dim), 300, 330, seed=5)
