@@ -27,6 +27,7 @@ from pope_jax import analysis, reporting
 from pope_jax.config import MODEL_PRESETS, ModelConfig, TrainConfig, YarnConfig
 from pope_jax.data import text
 from pope_jax.model import num_params
+from pope_jax.tasks.preset import ExperimentPreset
 from pope_jax.train import has_checkpoints, train_and_evaluate
 
 PAPER = ("OpenWebText, GPT-2-124M, 100k steps of 64 x 1024 tokens: validation perplexity "
@@ -34,7 +35,7 @@ PAPER = ("OpenWebText, GPT-2-124M, 100k steps of 64 x 1024 tokens: validation pe
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Preset:
+class Preset(ExperimentPreset):
   model: ModelConfig                 # vocab_size is replaced by the data's (rounded up to 64).
   train: TrainConfig
   seq_len: int
@@ -42,8 +43,6 @@ class Preset:
   vocab_size: int = 4096             # BPE vocabulary requested.
   works: tuple[str, ...] | None = None
   train_stride: int | None = None    # Window stride over train.bin (default seq_len).
-  description: str = ""
-  expect: str = ""                   # What the results show at this budget (results.md).
 
 
 _GPT2 = MODEL_PRESETS["gpt2_124m"]

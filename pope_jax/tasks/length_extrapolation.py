@@ -21,6 +21,7 @@ from pope_jax import analysis, atomic, reporting
 from pope_jax.config import TrainConfig, YarnConfig
 from pope_jax.model import num_params
 from pope_jax.tasks import language_model as lm
+from pope_jax.tasks.preset import ExperimentPreset
 
 PAPER = ("models trained at 1024 tokens, evaluated on PG-19 to 10 240 (Figure 2, a plot only): "
          "RoPE's perplexity blows up past 1024, RoPE + YaRN fine-tuned 500 steps at 4096 holds to "
@@ -28,15 +29,13 @@ PAPER = ("models trained at 1024 tokens, evaluated on PG-19 to 10 240 (Figure 2,
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Preset:
+class Preset(ExperimentPreset):
   lm: str                              # experiments.language_model preset trained at L.
   multiples: tuple[int, ...]           # evaluation lengths as multiples of L.
   yarn_factor: float
   finetune: TrainConfig
   eval_batch_size: int
   max_tokens: int | None              # evaluation text per length (the same span for all).
-  description: str = ""
-  expect: str = ""                    # What the results show at this budget.
 
 
 PRESETS: dict[str, Preset] = {
