@@ -16,6 +16,7 @@ from lpes_jax.tasks.task import TaskConfig
 from lpes_jax.tokenizer import byte_tokenizer
 
 
+@pytest.mark.slow
 def test_smoke_run_killed_then_resumed_skips_finished_stages(tmp_path, monkeypatch, capsys):
   out = tmp_path / "run"
   argv = ["--preset", "smoke", "--out", str(out)]
@@ -122,6 +123,7 @@ def test_moice_routers_add_moice_beside_the_baselines(tmp_path):
   assert "| MoICE |" in md and f"the routers in `{routers}`" in md
 
 
+@pytest.mark.slow
 def test_resume_with_moice_routers_adds_moice_to_a_finished_run(tmp_path, capsys):
   out = tmp_path / "run"
   argv = ["--preset", "smoke", "--out", str(out), "--methods", "bezier", "--search-seeds", "0",

@@ -97,17 +97,30 @@ def _cases(draw):
   return family, t_len, s_len, is_causal, draw(hst.integers(0, 2**16))
 
 
-@pytest.mark.timeout(1500, method="thread")  # 50 draws: 282 s alone on 2 cores
-@settings(max_examples=50, deadline=None, derandomize=True, database=None,
-          suppress_health_check=list(HealthCheck))
-@given(_cases())
-def test_matches_reference_forward_and_grads(case):
+def _check_case(case):
   family, t_len, s_len, is_causal, seed = case
   problem = _problem(family, t_len, s_len, seed)
   with plgpu.force_gpu_interpret_mode():
     got = _value_and_grads("pallas", *problem, is_causal=is_causal)
   want = _value_and_grads("xla", *problem, is_causal=is_causal)
   _assert_close(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500, method="thread")  # 50 draws: 282 s alone on 2 cores
+@settings(max_examples=50, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(_cases())
+def test_matches_reference_forward_and_grads(case):
+  _check_case(case)
+
+
+@settings(max_examples=3, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(_cases())
+def test_matches_reference_forward_and_grads_few_draws(case):
+  # The fast tier's sibling of the 50-draw test above: the first draws of the same strategy.
+  _check_case(case)
 
 
 @pytest.mark.parametrize("head_dim, max_position", [(32, 4096), (128, 400_000), (64, 2**20)])
@@ -284,7 +297,8 @@ def test_kernel_positions_validate():
 
 
 @pytest.mark.parametrize("family, value_dim, is_causal",
-                         [((1, 2, 2, 128), 64, True), ((1, 4, 1, 32), 96, False)])
+                         [((1, 2, 2, 128), 64, True),
+                          pytest.param((1, 4, 1, 32), 96, False, marks=pytest.mark.slow)])
 def test_value_width_other_than_head_dim(family, value_dim, is_causal):
   # The forward stages the query tile in its own SMEM buffer (not the output tile's).
   q, k, v, delta, _ = _problem(family, 33, 128, seed=11)
@@ -338,6 +352,7 @@ def test_small_magnitudes():
     assert np.abs(x - y).max() < TOL * np.abs(y).max(), name
 
 
+@pytest.mark.slow  # float16 inputs run in the interpreter in test_float16_inputs
 def test_float16_phase_gradient_small_magnitudes():
   # fp16 raw q, k in [-9, -6]: each angle's gradient dφ ∝ da·a is far below fp16's normal range,
   # so the query map's VJP runs in XLA in float32 for fp16 (`_query_vjp_in_kernel`); stored per
@@ -432,9 +447,11 @@ def test_cartesian_vjp_magnitude_factor():
   np.testing.assert_array_equal(d_angle, 0.0)
 
 @pytest.mark.parametrize("head_dim, change", [
-    (64, {"dkv_roles": True}), (128, {"dkv_roles": False}),
-    (32, {"dkv_roles": True, "overlap_bwd": True, "block_q_dkv": 64}),
-    (32, {"dkv_roles": True, "stages": 3})])
+    (64, {"dkv_roles": True}),
+    pytest.param(128, {"dkv_roles": False}, marks=pytest.mark.slow),
+    pytest.param(32, {"dkv_roles": True, "overlap_bwd": True, "block_q_dkv": 64},
+                 marks=pytest.mark.slow),
+    pytest.param(32, {"dkv_roles": True, "stages": 3}, marks=pytest.mark.slow)])
 def test_dk_dv_schedules(head_dim, change):
   # The dk/dv schedules other than each head dim's default (which the hypothesis test runs):
   # the warpgroups on a key tile each, or in roles on one (dS handed over per ring slot).
@@ -445,7 +462,8 @@ def test_dk_dv_schedules(head_dim, change):
   _assert_close(got, _value_and_grads("xla", q, k, v, delta, cot, is_causal=True))
 
 
-@pytest.mark.parametrize("head_dim, is_causal", [(64, True), (32, False)])
+@pytest.mark.parametrize("head_dim, is_causal",
+                         [(64, True), pytest.param(32, False, marks=pytest.mark.slow)])
 def test_persistent_launch_over_tiles(head_dim, is_causal):
   # Three query and key tiles per head, two heads: 6 items per kernel. The interpreter runs
   # one item per CTA (`_streaming.num_sms`), so this checks
@@ -493,13 +511,14 @@ def test_item_schedule_balances_causal_tiles(monkeypatch):
 
 @pytest.mark.parametrize("blocks, is_causal", [
     (BlockSizes(block_kv=64, forward_warpgroups=2), True),
-    (BlockSizes(block_kv=64, forward_warpgroups=2, stages=3), True),
-    (BlockSizes(block_kv=64, forward_warpgroups=2), False),
-    (BlockSizes(block_q=128, block_kv=64, forward_warpgroups=2), True),
-    (BlockSizes(block_kv=64, forward_warpgroups=2, row_sum_mma=True), True),
-    (BlockSizes(block_kv=128, forward_warpgroups=2, row_sum_mma=True), False),
-    (BlockSizes(block_kv=64, forward_warpgroups=3), True),
-    (BlockSizes(block_kv=64, forward_warpgroups=3), False),
+    *(pytest.param(*case, marks=pytest.mark.slow) for case in [
+        (BlockSizes(block_kv=64, forward_warpgroups=2, stages=3), True),
+        (BlockSizes(block_kv=64, forward_warpgroups=2), False),
+        (BlockSizes(block_q=128, block_kv=64, forward_warpgroups=2), True),
+        (BlockSizes(block_kv=64, forward_warpgroups=2, row_sum_mma=True), True),
+        (BlockSizes(block_kv=128, forward_warpgroups=2, row_sum_mma=True), False),
+        (BlockSizes(block_kv=64, forward_warpgroups=3), True),
+        (BlockSizes(block_kv=64, forward_warpgroups=3), False)]),
 ])
 def test_forward_schedules(blocks, is_causal):
   # Several key steps per query tile (block_kv 64): skipped, masked and full ranges, 128-row
@@ -548,9 +567,10 @@ def _stale_max_steps(q, k, delta, block_q, block_kv, threshold):
 
 @pytest.mark.parametrize("threshold, q_scale, changes", [
     (0.0, 4.0, {}),
-    (8.0, 1.0, {}),
-    (15.0, 1.0, {"row_sum_mma": True}),
-    (8.0, 1.0, {"forward_warpgroups": 3}),
+    *(pytest.param(*case, marks=pytest.mark.slow) for case in [
+        (8.0, 1.0, {}),
+        (15.0, 1.0, {"row_sum_mma": True}),
+        (8.0, 1.0, {"forward_warpgroups": 3})]),
 ])
 def test_rescale_threshold_forward_and_grads(threshold, q_scale, changes):
   # Keys whose magnitudes grow along the sequence: the rows' running max grows at later key
@@ -730,7 +750,8 @@ def test_bounded_flags_route_each_tile(monkeypatch):
   assert finite[:, 128:].all() and finite[:, :, 0].all()
 
 
-@pytest.mark.parametrize("head_dim, row_sum_mma", [(32, False), (64, True)])
+@pytest.mark.parametrize("head_dim, row_sum_mma",
+                         [(32, False), pytest.param(64, True, marks=pytest.mark.slow)])
 def test_bounded_softmax_forward_and_grads(head_dim, row_sum_mma):
   # Bounded tiles (exp2 of the scores, no running max) beside unbounded ones (online softmax):
   # large raw queries in the second tile of head 1 (192 rows with three forward warpgroups, the
@@ -748,6 +769,7 @@ def test_bounded_softmax_forward_and_grads(head_dim, row_sum_mma):
   _assert_close(got, _value_and_grads("xla", q, k, v, delta, cot, is_causal=True))
 
 
+@pytest.mark.slow  # a 512 × 512 check shape in the interpreter
 def test_large_magnitudes_error_is_the_bf16_operands():
   # check_h64_large (q, k × 8: softplus up to ~25, scores up to ~200 log2 units). The kernel's
   # output is as far from the float32 reference as float32 attention over the Cartesian q', k'

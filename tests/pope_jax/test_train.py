@@ -69,6 +69,7 @@ def test_training_lowers_the_loss_and_logs(tmp_path):
   assert set(r.metrics) == {"validation"}
 
 
+@pytest.mark.slow
 def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
   (full,) = _run(tmp_path / "full")
   # An interrupted run: a process that stops after its first checkpoint (step 12).
@@ -297,6 +298,7 @@ def test_init_params_starts_every_seed_from_given_parameters(tmp_path):
       np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_fsdp_over_four_devices_matches_one_device(tmp_path):
   code = f"""
 import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
