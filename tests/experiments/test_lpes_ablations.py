@@ -106,6 +106,7 @@ def _smoke_routers(path, num_layers: int):
   return str(path)
 
 
+@pytest.mark.slow
 def test_moice_routers_add_moice_beside_the_baselines(tmp_path):
   out = tmp_path / "run"
   routers = _smoke_routers(tmp_path / "routers", 4)

@@ -30,7 +30,7 @@ def hopper_missing_reason() -> str | None:
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects on the marker
 def pytest_collection_modifyitems(config, items):
-  mine = [item for item in items if _HERE in Path(str(item.fspath)).resolve().parents]
+  mine = [item for item in items if _HERE in item.path.resolve().parents]
   if not mine:
     return
   reason = hopper_missing_reason()

@@ -199,6 +199,7 @@ def test_explicit_positions_and_empty_rows():
   _assert_close(got, want)
 
 
+@pytest.mark.slow  # a kernel run per position value; explicit positions run in the fast tier
 def test_traced_positions_match_reference_for_each_value():
   # Positions as jit arguments take the traced path of `_position_operands` (visit tables in
   # the call); one compilation must serve both position values.
@@ -321,7 +322,7 @@ def test_float16_inputs():
   _assert_close(got, want)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])
 def test_phase_bias_outside_its_range_is_clamped(dtype):
   # δ below -2π, above 0 and at both bounds: the kernel path gives the reference's output and
   # gradient (the clamp's: zero outside, one at the bounds; `encodings.clamp_phase_bias`).
@@ -338,6 +339,7 @@ def test_phase_bias_outside_its_range_is_clamped(dtype):
   assert np.all(np.asarray(got[4])[~outside] != 0)
 
 
+@pytest.mark.slow
 def test_small_magnitudes():
   # Raw q and k near -10: softplus ~ 5e-5, below the epilogues' series threshold (μ < 1/64)
   # for every element, so dq and dk come from g(μ)'s Taylor branch.
@@ -447,11 +449,10 @@ def test_cartesian_vjp_magnitude_factor():
   np.testing.assert_array_equal(d_angle, 0.0)
 
 @pytest.mark.parametrize("head_dim, change", [
-    (64, {"dkv_roles": True}),
-    pytest.param(128, {"dkv_roles": False}, marks=pytest.mark.slow),
-    pytest.param(32, {"dkv_roles": True, "overlap_bwd": True, "block_q_dkv": 64},
-                 marks=pytest.mark.slow),
-    pytest.param(32, {"dkv_roles": True, "stages": 3}, marks=pytest.mark.slow)])
+    (64, {"dkv_roles": True}), (128, {"dkv_roles": False}),
+    (32, {"dkv_roles": True, "overlap_bwd": True, "block_q_dkv": 64}),
+    (32, {"dkv_roles": True, "stages": 3})])
+@pytest.mark.slow  # the default schedules run in the hypothesis tests
 def test_dk_dv_schedules(head_dim, change):
   # The dk/dv schedules other than each head dim's default (which the hypothesis test runs):
   # the warpgroups on a key tile each, or in roles on one (dS handed over per ring slot).
@@ -462,8 +463,8 @@ def test_dk_dv_schedules(head_dim, change):
   _assert_close(got, _value_and_grads("xla", q, k, v, delta, cot, is_causal=True))
 
 
-@pytest.mark.parametrize("head_dim, is_causal",
-                         [(64, True), pytest.param(32, False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("head_dim, is_causal", [(64, True), (32, False)])
+@pytest.mark.slow  # several tiles per CTA: the interpreter's longest runs
 def test_persistent_launch_over_tiles(head_dim, is_causal):
   # Three query and key tiles per head, two heads: 6 items per kernel. The interpreter runs
   # one item per CTA (`_streaming.num_sms`), so this checks
@@ -511,15 +512,15 @@ def test_item_schedule_balances_causal_tiles(monkeypatch):
 
 @pytest.mark.parametrize("blocks, is_causal", [
     (BlockSizes(block_kv=64, forward_warpgroups=2), True),
-    *(pytest.param(*case, marks=pytest.mark.slow) for case in [
-        (BlockSizes(block_kv=64, forward_warpgroups=2, stages=3), True),
-        (BlockSizes(block_kv=64, forward_warpgroups=2), False),
-        (BlockSizes(block_q=128, block_kv=64, forward_warpgroups=2), True),
-        (BlockSizes(block_kv=64, forward_warpgroups=2, row_sum_mma=True), True),
-        (BlockSizes(block_kv=128, forward_warpgroups=2, row_sum_mma=True), False),
-        (BlockSizes(block_kv=64, forward_warpgroups=3), True),
-        (BlockSizes(block_kv=64, forward_warpgroups=3), False)]),
+    (BlockSizes(block_kv=64, forward_warpgroups=2, stages=3), True),
+    (BlockSizes(block_kv=64, forward_warpgroups=2), False),
+    (BlockSizes(block_q=128, block_kv=64, forward_warpgroups=2), True),
+    (BlockSizes(block_kv=64, forward_warpgroups=2, row_sum_mma=True), True),
+    (BlockSizes(block_kv=128, forward_warpgroups=2, row_sum_mma=True), False),
+    (BlockSizes(block_kv=64, forward_warpgroups=3), True),
+    (BlockSizes(block_kv=64, forward_warpgroups=3), False),
 ])
+@pytest.mark.slow  # the default schedules run in the hypothesis tests
 def test_forward_schedules(blocks, is_causal):
   # Several key steps per query tile (block_kv 64): skipped, masked and full ranges, 128-row
   # query tiles; warpgroups with no visible key (T < S, offsets). The interpreter runs without
@@ -567,11 +568,11 @@ def _stale_max_steps(q, k, delta, block_q, block_kv, threshold):
 
 @pytest.mark.parametrize("threshold, q_scale, changes", [
     (0.0, 4.0, {}),
-    *(pytest.param(*case, marks=pytest.mark.slow) for case in [
-        (8.0, 1.0, {}),
-        (15.0, 1.0, {"row_sum_mma": True}),
-        (8.0, 1.0, {"forward_warpgroups": 3})]),
+    (8.0, 1.0, {}),
+    (15.0, 1.0, {"row_sum_mma": True}),
+    (8.0, 1.0, {"forward_warpgroups": 3}),
 ])
+@pytest.mark.slow  # the default threshold runs in the hypothesis tests
 def test_rescale_threshold_forward_and_grads(threshold, q_scale, changes):
   # Keys whose magnitudes grow along the sequence: the rows' running max grows at later key
   # blocks by less and by more than the threshold, so some steps keep the stale max (P up to
