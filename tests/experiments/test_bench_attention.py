@@ -11,17 +11,6 @@ import pytest
 from experiments import _timing, _train_step, bench_attention
 
 
-def test_train_step_reports_times_and_mfu():
-  # The fast tier's sibling of the breakdown test below: the two train steps alone.
-  time_ms = functools.partial(_timing.wall_ms, iters=1, windows=1, min_window_ms=0.0)
-  result = _train_step.train_step_ratio(time_ms, 1, preset="jsb", seq_len=8)
-  for enc in ("rope", "pope"):
-    for key in ("ms", "mfu", "mfu_palm", "tokens_per_second"):
-      assert math.isfinite(result[enc][key]) and result[enc][key] > 0, (enc, key)
-    assert "loss_ms" not in result[enc] and "profile" not in result[enc]
-  assert math.isclose(result["pope_over_rope"], result["pope"]["ms"] / result["rope"]["ms"])
-
-
 @pytest.mark.slow
 def test_train_step_breakdown_reports_every_part():
   time_ms = functools.partial(_timing.wall_ms, iters=1, windows=5, min_window_ms=100.0)

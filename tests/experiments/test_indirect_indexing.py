@@ -17,6 +17,7 @@ def _strict_json(path):
   return json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{path}: {c}"))
 
 
+@pytest.mark.slow
 def test_smoke_preset_writes_table_json_and_plot_and_resumes(tmp_path, capsys):
   summary = indirect_indexing.main(["--preset", "smoke", "--seeds", "0,1", "--out",
                                     str(tmp_path), "--no-progress"])

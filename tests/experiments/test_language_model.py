@@ -38,6 +38,7 @@ def trainings(monkeypatch):
   return names
 
 
+@pytest.mark.slow
 def test_language_model_smoke(lm_out):
   results = json.loads((lm_out / "results.json").read_text())
   assert [(r["encoding"], r["seed"]) for r in results["runs"]] == [
@@ -85,6 +86,7 @@ def test_language_model_resume_trains_only_new_seeds(lm_out, tmp_path, trainings
       statistics.mean(r["valid_perplexity"] for r in results["runs"]))
 
 
+@pytest.mark.slow
 def test_length_extrapolation_over_seeds(lm_out, trainings, capsys):
   record = length_extrapolation.main(["--preset", "smoke", "--out", str(lm_out),
                                       "--no-progress", "--seeds", "0,1"])

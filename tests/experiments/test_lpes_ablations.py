@@ -157,6 +157,7 @@ def test_moice_routers_of_another_model_are_a_usage_error_before_the_run(tmp_pat
   assert not (tmp_path / "run" / lpes_ablations.CONFIG_FILE).exists()
 
 
+@pytest.mark.slow
 def test_multiplier_sets_decode_as_the_named_methods():
   # One vmapped call over [ones, 1/1.5] gives the tokens of base and PI (s = 1.5) decoded alone.
   config = LlamaConfig(**lpes_ablations.SMOKE_MODEL)
