@@ -164,6 +164,7 @@ def _tiny_batch(params, model):
   return fitness.make_batch(prompts, answers, [i % 3 for i in range(12)])
 
 
+@pytest.mark.slow
 def test_teacher_forced_equals_greedy():
   model = Llama(TINY)
   params = init_params(TINY, jax.random.key(1), scale=0.3)

@@ -33,7 +33,13 @@ def _padded_tokens():
 CASES = [(enc, mult, kv) for enc in ("rope", "pope") for mult in (False, True) for kv in (4, 2)]
 
 
-@pytest.mark.parametrize("encoding,mult,kv_heads", CASES + [("none", False, 2)])
+# The fast tier keeps one RoPE case and one PoPE case with multipliers and GQA.
+FAST_CASES = [("rope", False, 4), ("pope", True, 2)]
+
+
+@pytest.mark.parametrize("encoding,mult,kv_heads", FAST_CASES + [
+    pytest.param(*case, marks=pytest.mark.slow)
+    for case in CASES + [("none", False, 2)] if case not in FAST_CASES])
 def test_cached_decoding_equals_full_forward_every_step(encoding, mult, kv_heads):
   cfg, model, params = _model(pos_encoding=encoding, num_kv_heads=kv_heads)
   # [L, N], equal within each GQA group of 2 query heads.
@@ -83,7 +89,7 @@ def _greedy_reference(model, params, prompt, n):
   return toks[len(prompt):]
 
 
-@pytest.mark.parametrize("encoding", ["rope", "pope"])
+@pytest.mark.parametrize("encoding", ["rope", pytest.param("pope", marks=pytest.mark.slow)])
 def test_generate_greedy_batched_equals_recomputing_each_prompt(encoding):
   cfg, model, params = _model(pos_encoding=encoding, num_kv_heads=2)
   prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [3, 1, 4, 1]]
