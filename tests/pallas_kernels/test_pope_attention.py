@@ -298,8 +298,8 @@ def test_kernel_positions_validate():
 
 
 @pytest.mark.parametrize("family, value_dim, is_causal",
-                         [((1, 2, 2, 128), 64, True),
-                          pytest.param((1, 4, 1, 32), 96, False, marks=pytest.mark.slow)])
+                         [((1, 2, 2, 128), 64, True), ((1, 4, 1, 32), 96, False)])
+@pytest.mark.slow  # V ≠ H also runs compiled on the GPU (tests/gpu) and lowers in CI
 def test_value_width_other_than_head_dim(family, value_dim, is_causal):
   # The forward stages the query tile in its own SMEM buffer (not the output tile's).
   q, k, v, delta, _ = _problem(family, 33, 128, seed=11)
@@ -322,7 +322,8 @@ def test_float16_inputs():
   _assert_close(got, want)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.slow
 def test_phase_bias_outside_its_range_is_clamped(dtype):
   # δ below -2π, above 0 and at both bounds: the kernel path gives the reference's output and
   # gradient (the clamp's: zero outside, one at the bounds; `encodings.clamp_phase_bias`).

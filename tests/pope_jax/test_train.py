@@ -94,6 +94,7 @@ t._run({str(tmp_path / 'resumed')!r})
   assert [h["step"] for h in resumed.history] == [h["step"] for h in full.history]
 
 
+@pytest.mark.slow
 def test_seeds_trained_together_equal_seeds_trained_alone(tmp_path):
   together = _run(tmp_path / "together", seeds=(0, 5))
   (alone,) = _run(tmp_path / "alone", train=dataclasses.replace(TRAIN, seed=5))
@@ -104,6 +105,7 @@ def test_seeds_trained_together_equal_seeds_trained_alone(tmp_path):
   assert together[0].seed == 0 and together[1].seed == 5
 
 
+@pytest.mark.slow
 def test_seeds_trained_in_turn_share_one_compile(tmp_path, monkeypatch):
   """A second seed of the same config reuses the jitted step (no new trace or compile) and trains
   exactly as a freshly compiled one."""
