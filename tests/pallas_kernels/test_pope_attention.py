@@ -312,6 +312,7 @@ def test_value_width_other_than_head_dim(family, value_dim, is_causal):
   _assert_close(got, want)
 
 
+@pytest.mark.slow
 def test_float16_inputs():
   q, k, v, delta, cot = _problem((1, 2, 1, 64), 70, 90, seed=5)
   q, k, v = (x.astype(jnp.float16) for x in (q, k, v))
@@ -752,8 +753,8 @@ def test_bounded_flags_route_each_tile(monkeypatch):
   assert finite[:, 128:].all() and finite[:, :, 0].all()
 
 
-@pytest.mark.parametrize("head_dim, row_sum_mma",
-                         [(32, False), pytest.param(64, True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("head_dim, row_sum_mma", [(32, False), (64, True)])
+@pytest.mark.slow  # test_bounded_flags_route_each_tile runs bounded tiles in the fast tier
 def test_bounded_softmax_forward_and_grads(head_dim, row_sum_mma):
   # Bounded tiles (exp2 of the scores, no running max) beside unbounded ones (online softmax):
   # large raw queries in the second tile of head 1 (192 rows with three forward warpgroups, the

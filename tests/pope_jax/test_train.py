@@ -273,6 +273,7 @@ except ValueError as e:
   assert "batch_size=6" in out.stdout, out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_data_parallel_over_four_devices_matches_one_device(tmp_path):
   code = f"""
 import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
@@ -289,6 +290,7 @@ np.save({str(tmp_path / 'four.npy')!r}, np.concatenate([np.ravel(x) for x in jax
   np.testing.assert_allclose(np.load(tmp_path / "four.npy"), flat, rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_init_params_starts_every_seed_from_given_parameters(tmp_path):
   from pope_jax.model import Transformer
   given = Transformer(MODEL).init(jax.random.key(99), np.zeros((1, 8), np.int32))["params"]
@@ -356,6 +358,7 @@ def test_cross_entropy_matches_optax_in_value_and_gradient(dtype):
   np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g_ref, np.float32), atol=tol)
 
 
+@pytest.mark.slow
 def test_compute_dtype_logits_train_like_float32_logits():
   cfg = config.ModelConfig(vocab_size=11, num_layers=1, d_model=16, num_heads=2, dtype="bfloat16")
   tokens = jax.random.randint(jax.random.key(0), (2, 6), 0, 11)
