@@ -356,7 +356,7 @@ def test_small_magnitudes():
     assert np.abs(x - y).max() < TOL * np.abs(y).max(), name
 
 
-@pytest.mark.slow  # float16 inputs run in the interpreter in test_float16_inputs
+@pytest.mark.slow
 def test_float16_phase_gradient_small_magnitudes():
   # fp16 raw q, k in [-9, -6]: each angle's gradient dφ ∝ da·a is far below fp16's normal range,
   # so the query map's VJP runs in XLA in float32 for fp16 (`_query_vjp_in_kernel`); stored per
