@@ -2,20 +2,21 @@
 
     python -m experiments.lpes_eval --model PATH --task kv|mdqa \\
         --method base|pi|ms_poe|buckets|lpes|moice [--scales results.json] \\
-        [--moice-routers DIR] [--num-examples 500]
+        [--moice-routers DIR] [--baseline eval_kv_base.json] [--num-examples 500]
 
 Held-out KV examples come from `--seed` (default 1; the search uses seed 0); MDQA examples from
 `--mdqa-file` with the gold document moved to each position. Greedy decoding (KV cache); KV is
 scored by case-insensitive substring on the whole output, MDQA by best_subspan_em on the first line.
 Writes `<out>/eval_<task>_<method>.json` (accuracies, config, timing, versions), `.md` (what ran,
-chance level, the paper's number, what to expect) and a lost-in-the-middle PNG, and prints a table
-with the median generation time per batch.
+chance level, the paper's number and, with --baseline, the gains over an earlier evaluation) and
+a lost-in-the-middle PNG, and prints a table with the median generation time per batch.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 
@@ -40,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--moice-routers", default=None,
                  help="folder of trained MoICE routers, the --out of experiments.moice_train "
                       "(default: none; --method moice needs it)")
+  p.add_argument("--baseline", default=None,
+                 help="eval JSON of an earlier run on the same task and gold positions (e.g. "
+                      "eval_kv_base.json): the .md adds its row and the gains over it "
+                      "(default: none)")
   p.add_argument("--num-examples", type=common.positive_int, default=500,
                  help="held-out examples per position")
   p.add_argument("--positions", type=common.comma_list(common.nonnegative_int,
@@ -79,6 +84,16 @@ def main(argv=None) -> None:
       moice.load_moice_config(args.moice_routers)
     except (OSError, ValueError) as e:
       p.error(f"--moice-routers: {e}")
+  if args.baseline:
+    try:  # A missing or foreign file fails here, before the slow model load.
+      with open(args.baseline) as f:
+        baseline = json.load(f)
+      if not isinstance(baseline, dict) or "accuracy" not in baseline:
+        raise ValueError("not an lpes_eval record (no accuracy)")
+      if baseline.get("task") != args.task:
+        raise ValueError(f"its task {baseline.get('task')!r} is not --task {args.task!r}")
+    except (OSError, ValueError) as e:
+      p.error(f"--baseline {args.baseline}: {e}")
   if args.task == "kv" and args.positions and max(args.positions) >= args.num_pairs:
     p.error(f"--positions {','.join(map(str, args.positions))}: gold positions must be below "
             f"--num-pairs {args.num_pairs}")
@@ -109,7 +124,11 @@ def evaluate_and_report(args: argparse.Namespace, task, ev: evaluate.EvalConfig)
       "device": str(jax.devices()[0].device_kind), "num_devices": jax.device_count()})
   stem = os.path.join(args.out, f"eval_{args.task}_{args.method}")
   common.write_json(stem + ".json", record)
-  atomic.write_text(stem + ".md", report.eval_results_md(record))
+  baseline = None
+  if args.baseline:
+    with open(args.baseline) as f:
+      baseline = json.load(f)
+  atomic.write_text(stem + ".md", report.eval_results_md(record, baseline))
   evaluate.plot_positions([record], stem + ".png")
   print("gold  " + "  ".join(f"{g:>6s}" for g in record["accuracy"]))
   print(f"{args.method:5s} " + "  ".join(f"{a:6.3f}" for a in record["accuracy"].values()))

@@ -32,9 +32,7 @@ from pallas_kernels.pope_attention import (BOUNDED_SCORE_LIMIT, SUPPORTED_HEAD_D
 from pope_jax import analysis, atomic, encodings, reporting
 from pope_jax.config import ModelConfig
 from pope_jax.model import num_params
-from pope_jax.tasks import language_model as lm
-
-MAX_WINDOWS = {"paper": 64, "h200": 64, "cpu": 64, "smoke": 2}
+from pope_jax.tasks import frequency_usage, language_model as lm
 
 
 def score_bounds(config: ModelConfig, params: Any,
@@ -183,7 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
   args = parser.parse_args(argv)
   if "pope" not in common.encodings_list(parser, args.encodings, ("rope", "pope")):
     parser.error(f"--encodings {args.encodings!r}: score_bounds measures the PoPE model")
-  max_windows = MAX_WINDOWS[args.preset] if args.max_windows is None else args.max_windows
+  max_windows = (frequency_usage.MAX_WINDOWS[args.preset] if args.max_windows is None
+                 else args.max_windows)
   try:
     preset = common.resolve_lm_preset(args)
   except ValueError as e:  # A config that refuses a flag's value: a usage error.

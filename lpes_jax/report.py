@@ -1,9 +1,12 @@
-"""results.md of the LPES experiments: what ran, chance, the paper's number, what to expect.
+"""results.md of the LPES experiments: what ran, chance, the paper's number, and comparisons
+computed from results files.
 
-`eval_results_md(record)` and `search_results_md(record)` turn the JSON records that
-`experiments.lpes_eval` / `experiments.lpes_search` write into a short Markdown page.
-The paper's numbers are from arXiv 2606.27705 (see the project's LPES spec); the expectations are
-the measured SmolLM2-135M run (KV retrieval, 6 pairs, 4-hex-digit keys and values).
+`eval_results_md(record, baseline)` and `search_results_md(record)` turn the JSON records that
+`experiments.lpes_eval` / `experiments.lpes_search` write into a short Markdown page. An
+evaluation is compared with a baseline evaluation record (e.g. the base model's) on the same
+task and gold positions; a search with its generation 0 (the identity scales). The paper's
+numbers are from arXiv 2606.27705 (see the project's LPES spec); measured runs and what to expect
+from them are on the results pages (docs/lpes.md), not here.
 """
 
 from __future__ import annotations
@@ -11,11 +14,6 @@ from __future__ import annotations
 PAPER = ("Paper (arXiv 2606.27705): up to +11.2 % average KV-retrieval accuracy for Vicuna-7B "
          "over the base model; LPES costs no latency (2.42× faster than MoICE, 1.45× faster "
          "than Ms-PoE).")
-EXPECT = ("At this budget (SmolLM2-135M, 6 pairs, 200 search examples, 32 × 12 GA, 100 held-out "
-          "examples per position) the measured curve is base 0.78 / 0.30 / 0.13 / 0.22 / 0.16 and "
-          "LPES 0.81 / 0.38 / 0.23 / 0.23 / 0.17 over gold 0/1/2/4/5: a middle gain of about "
-          "+0.10 (binomial standard error ±0.04 per point); PI at s = 1.5 and Ms-PoE fall to 0 on "
-          "this small model. Other models, tasks or sizes have no measured expectation here.")
 
 
 def chance_level(task: str, num_items: int) -> str:
@@ -35,10 +33,37 @@ def _task_line(args: dict) -> str:
   return f"multi-document QA from {args['mdqa_file']}"
 
 
-def eval_results_md(record: dict) -> str:
-  """Markdown for one held-out evaluation record (`experiments.lpes_eval`)."""
+def check_baseline(record: dict, baseline: dict) -> None:
+  """Raises ValueError unless `baseline` is an evaluation record on `record`'s task, item count
+  and gold positions (so their accuracies compare position by position)."""
+  for key in ("task", "num_items"):
+    if baseline.get(key) != record.get(key):
+      raise ValueError(f"baseline {key} {baseline.get(key)!r} differs from {record.get(key)!r}")
+  if list(baseline.get("accuracy", {})) != list(record["accuracy"]):
+    raise ValueError(f"baseline gold positions {list(baseline.get('accuracy', {}))} differ from "
+                     f"{list(record['accuracy'])}")
+
+
+def eval_results_md(record: dict, baseline: dict | None = None) -> str:
+  """Markdown for one held-out evaluation record (`experiments.lpes_eval`); with `baseline`
+  (another such record, `check_baseline`), also its row and the gain over it per position.
+
+  Raises:
+    ValueError: `baseline` is on another task, item count or set of gold positions.
+  """
   a = record["args"]
   golds = list(record["accuracy"])
+  if baseline is not None:
+    check_baseline(record, baseline)
+  row = lambda name, acc, fmt: (f"| {name} | " + " | ".join(f"{acc[g]:{fmt}}" for g in golds))
+  compared = ([row(baseline["method"], baseline["accuracy"], ".3f")
+               + f" | {baseline['seconds_per_batch_median']:.4f} |",
+               row(f"gain over {baseline['method']}",
+                   {g: record["accuracy"][g] - baseline["accuracy"][g] for g in golds}, "+.3f")
+               + " | |"] if baseline is not None else [])
+  compared_with = ("no baseline record (`lpes_eval --baseline`)" if baseline is None else
+                   f"{baseline['method']}, {baseline['num_examples']} examples per position, "
+                   f"seed {baseline['args']['seed']}")
   lines = [
       f"# LPES evaluation: {record['method']} on {record['task']}", "",
       f"- Model: `{a['model']}` ({a['dtype']}{', chat template' if a['chat'] else ''}).",
@@ -52,11 +77,12 @@ def eval_results_md(record: dict) -> str:
       f"- Method: {record['method']}.",
       f"- Chance level: {chance_level(record['task'], record['num_items'])}.",
       f"- {PAPER}",
-      f"- What to expect: {EXPECT}", "",
+      f"- Compared with: {compared_with}.",
+      "",
       "| method | " + " | ".join(f"gold {g}" for g in golds) + " | s / batch |",
       "|---|" + "---:|" * (len(golds) + 1),
-      f"| {record['method']} | " + " | ".join(f"{record['accuracy'][g]:.3f}" for g in golds) +
-      f" | {record['seconds_per_batch_median']:.4f} |", "",
+      row(record["method"], record["accuracy"], ".3f")
+      + f" | {record['seconds_per_batch_median']:.4f} |", *compared, "",
       f"Median seconds per batch of {record['batch_size']} (first batch, with compilation, "
       f"excluded). Device: {record['device']} × {record['num_devices']}; jax "
       f"{record['versions']['jax']}; {record['date']}.",
@@ -93,8 +119,8 @@ def search_results_md(record: dict) -> str:
       "- Chance level: the fitness is an exact match, so about 0 for guessing; the identity "
       "curve (generation 0, all s = 1) is the base model's fitness.",
       f"- {PAPER}",
-      f"- What to expect: {EXPECT} The measured search fitness of that run: 0.344 "
-      "(begin 0.701, middle 0.194, end 0.136).", "",
+      f"- Gain over generation 0's best: {record['fitness'] - hist[0]['best_fitness']:+.3f} "
+      f"fitness.", "",
       "| | fitness | begin | middle | end |", "|---|---:|---:|---:|---:|",
       f"| generation 0 best | {hist[0]['best_fitness']:.3f} | " +
       " | ".join(f"{x:.3f}" for x in hist[0]["best_subset_accuracy"]) + " |",

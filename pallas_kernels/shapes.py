@@ -66,7 +66,7 @@ SHAPES: dict[str, AttentionShape] = {
     # units, a few % of the output, as in every expanded bf16 path (cuDNN, tokamax).
     "check_h64_large": _shape(1, 512, 512, 2, 1, 64, 64, input_scale=8.0),
 }
-# `bench_attention --check` tolerances (max |error| / max |reference|) where bf16 operands alone
+# The GPU tests' (tests/gpu/) tolerances (max |error| / max |reference|) where bf16 operands alone
 # exceed the default: check_h64_large 0.12 (output), <= 0.07 (gradients) in the interpreter.
 CHECK_TOLERANCES: dict[str, float] = {"check_h64_large": 0.2}
 

@@ -323,10 +323,10 @@ def _cos_sin(ang: Array, phase: Array | None, full_size: int) -> tuple[Array, Ar
 
   The trigonometric functions run on the factors (positions × frequencies, and heads ×
   frequencies), which XLA materialises as small tables; the per-element work is then the
-  angle-addition formula (a few multiply-adds), not a float32 cos and sin per element (about
-  15 % faster on an H200 at head dim 128). `optimization_barrier` keeps XLA from fusing the
-  tables' trigonometry back into the per-element loop; a factor as large as the loop
-  (`full_size` elements, e.g. batched positions with per-head multipliers) stays fused.
+  angle-addition formula (a few multiply-adds), not a float32 cos and sin per element.
+  `optimization_barrier` keeps XLA from fusing the tables' trigonometry back into the
+  per-element loop; a factor as large as the loop (`full_size` elements, e.g. batched positions
+  with per-head multipliers) stays fused.
   """
   cos_a, sin_a = _table(ang, full_size)
   if phase is None:

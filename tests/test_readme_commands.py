@@ -48,6 +48,7 @@ def test_help_runs(module):
   assert result.stdout.startswith("usage: ")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module, args", CHEAP, ids=[m for m, _ in CHEAP])
 def test_cheap_commands_run(module, args, tmp_path):
   result = _run([module, *args, "--out", str(tmp_path), "--no-progress"], timeout=300)

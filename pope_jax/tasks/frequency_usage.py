@@ -25,6 +25,7 @@ from pope_jax.tasks import language_model as lm
 
 PAPER = "GPT-2-124M on OpenWebText: RoPE concentrates on low frequencies; PoPE uses high " \
         "frequencies in all layers but the first"
+# Validation windows per `language_model` preset (frequency usage and score bounds).
 MAX_WINDOWS = {"paper": 64, "h200": 64, "cpu": 64, "smoke": 2}
 QK = ("query", "key")
 

@@ -24,6 +24,7 @@ from pope_jax.config import MODEL_PRESETS, ModelConfig, TrainConfig
 from pope_jax.data import indirect_indexing as task
 from pope_jax.model import Transformer, num_params
 from pope_jax.run_lock import run_lock
+from pope_jax.tasks.preset import ExperimentPreset
 from pope_jax.train import (RESULT_NEUTRAL_FIELDS, ResumeError, config_diff, has_checkpoints,
                             train_and_evaluate)
 
@@ -31,12 +32,10 @@ PAPER = "8 x 512, 100k steps, 3 seeds, test accuracy: RoPE 11.16 ± 2.45 %, PoPE
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Preset:
+class Preset(ExperimentPreset):
   task: task.IndirectIndexingConfig
   model: ModelConfig
   train: TrainConfig
-  description: str
-  expect: str                        # What the results show at this budget (results.md).
 
 
 ENCODINGS = ("rope", "pope", "none")

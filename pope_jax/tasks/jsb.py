@@ -45,6 +45,7 @@ from pope_jax.config import MODEL_PRESETS, ModelConfig, TrainConfig
 from pope_jax.data import jsb
 from pope_jax.model import init_cache, num_params
 from pope_jax.tasks import frequency_usage as usage_task
+from pope_jax.tasks.preset import ExperimentPreset
 from pope_jax.train import has_checkpoints, restore_params, train_and_evaluate
 
 PAPER_NLL = {"rope": 0.5081, "pope": 0.4889}
@@ -52,7 +53,7 @@ PAPER = "JSB, 6 x 256, 3000 steps: test NLL per token RoPE 0.5081, PoPE 0.4889"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Preset:
+class Preset(ExperimentPreset):
   """One JSB configuration.
 
   Attributes:
@@ -65,7 +66,7 @@ class Preset:
       each chorale its own segment (`pope_jax.data.jsb.ChoraleSource`).
     pieces_per_split: keep the first (train, valid, test) chorales; None = all 229 / 76 / 77.
     usage_windows: test windows for frequency usage (None = the whole test split).
-    description, expect: one line each for results.md.
+    description, expect: `ExperimentPreset`'s.
   """
   model: ModelConfig
   train: TrainConfig
@@ -75,8 +76,6 @@ class Preset:
   pack_train: bool = False
   pieces_per_split: tuple[int, int, int] | None = None
   usage_windows: int | None = None
-  description: str = ""
-  expect: str = ""
 
 
 _PAPER_MODEL = dataclasses.replace(MODEL_PRESETS["jsb"], vocab_size=jsb.VOCAB_SIZE)

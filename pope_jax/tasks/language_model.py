@@ -27,6 +27,7 @@ from pope_jax import analysis, reporting
 from pope_jax.config import MODEL_PRESETS, ModelConfig, TrainConfig, YarnConfig
 from pope_jax.data import text
 from pope_jax.model import num_params
+from pope_jax.tasks.preset import ExperimentPreset
 from pope_jax.train import has_checkpoints, train_and_evaluate
 
 PAPER = ("OpenWebText, GPT-2-124M, 100k steps of 64 x 1024 tokens: validation perplexity "
@@ -34,7 +35,7 @@ PAPER = ("OpenWebText, GPT-2-124M, 100k steps of 64 x 1024 tokens: validation pe
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Preset:
+class Preset(ExperimentPreset):
   model: ModelConfig                 # vocab_size is replaced by the data's (rounded up to 64).
   train: TrainConfig
   seq_len: int
@@ -45,8 +46,6 @@ class Preset:
   # Keep the documents of a window apart (segment ids, positions restarting at each document,
   # `text.TokenWindowSource`) in every split; needs an end-of-text id (`text.document_start_id`).
   pack: bool = False
-  description: str = ""
-  expect: str = ""                   # What the results show at this budget (results.md).
 
 
 _GPT2 = MODEL_PRESETS["gpt2_124m"]

@@ -21,6 +21,7 @@ from pope_jax import analysis, atomic, reporting
 from pope_jax.config import TrainConfig, YarnConfig
 from pope_jax.model import num_params
 from pope_jax.tasks import language_model as lm
+from pope_jax.tasks.preset import ExperimentPreset
 
 PAPER = ("models trained at 1024 tokens, evaluated on PG-19 to 10 240 (Figure 2, a plot only): "
          "RoPE's perplexity blows up past 1024, RoPE + YaRN fine-tuned 500 steps at 4096 holds to "
@@ -28,15 +29,13 @@ PAPER = ("models trained at 1024 tokens, evaluated on PG-19 to 10 240 (Figure 2,
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Preset:
+class Preset(ExperimentPreset):
   lm: str                              # experiments.language_model preset trained at L.
   multiples: tuple[int, ...]           # evaluation lengths as multiples of L.
   yarn_factor: float
   finetune: TrainConfig
   eval_batch_size: int
   max_tokens: int | None              # evaluation text per length (the same span for all).
-  description: str = ""
-  expect: str = ""                    # What the results show at this budget.
 
 
 PRESETS: dict[str, Preset] = {
@@ -57,8 +56,8 @@ PRESETS: dict[str, Preset] = {
         eval_batch_size=2, max_tokens=16 * 10240,
         description="the language_model h200 models (GPT-2-124M shape, L = 1024) evaluated to "
                     "10 240; YaRN fine-tune 100 steps at 4096",
-        expect="0.5% of the paper's steps on Shakespeare, yet the paper's shape: from 1x to 10x "
-               "PoPE rises about 7 % and RoPE about 39 % (docs/sequence_modelling.md, 3 seeds)"),
+        expect="0.5% of the paper's steps on Shakespeare; whether PoPE's perplexity rises less "
+               "than RoPE's from 1x to 10x (measured runs: docs/sequence_modelling.md)"),
     "cpu": Preset(
         lm="cpu", multiples=tuple(range(1, 11)), yarn_factor=4.0,
         finetune=TrainConfig(steps=60, batch_size=8, learning_rate=2e-4, min_learning_rate=2e-5,
@@ -66,8 +65,8 @@ PRESETS: dict[str, Preset] = {
                              checkpoint_every=60, log_every=20, steps_per_call=10),
         eval_batch_size=4, max_tokens=48 * 1280,
         description="the language_model cpu models (L = 128) evaluated to 1280",
-        expect="tiny models far below the paper's budget, perplexities near 180; from 1x to 10x "
-               "PoPE rises less than RoPE (about 8 % against 19 %, one seed)"),
+        expect="tiny models far below the paper's budget, perplexities in the hundreds, one seed "
+               "(measured runs: docs/sequence_modelling.md)"),
     "smoke": Preset(
         lm="smoke", multiples=(1, 3), yarn_factor=4.0,
         finetune=TrainConfig(steps=2, batch_size=2, learning_rate=1e-3, min_learning_rate=1e-4,

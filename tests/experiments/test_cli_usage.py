@@ -94,6 +94,16 @@ def test_lpes_eval_flags(model, capsys, flags, message):
   assert message in _usage_error(capsys, lpes_eval.main, model + flags)
 
 
+def test_lpes_eval_baseline_is_checked_before_loading(model, capsys, tmp_path):
+  missing = str(tmp_path / "none.json")
+  assert f"--baseline {missing}" in _usage_error(capsys, lpes_eval.main,
+                                                 model + ["--baseline", missing])
+  other = tmp_path / "mdqa.json"
+  other.write_text('{"task": "mdqa", "accuracy": {"0": 0.5}}')
+  assert "its task 'mdqa' is not --task 'kv'" in _usage_error(
+      capsys, lpes_eval.main, model + ["--baseline", str(other)])
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--max-new-tokens", "0"], "--max-new-tokens: expected a positive integer, got '0'"),
     (["--rope-multipliers", "0"], "--rope-multipliers '0': multipliers must be finite and > 0"),

@@ -17,6 +17,7 @@ def _strict_json(path):
   return json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{path}: {c}"))
 
 
+@pytest.mark.slow
 def test_smoke_preset_writes_table_json_and_plot_and_resumes(tmp_path, capsys):
   summary = indirect_indexing.main(["--preset", "smoke", "--seeds", "0,1", "--out",
                                     str(tmp_path), "--no-progress"])
@@ -57,6 +58,7 @@ def test_smoke_preset_writes_table_json_and_plot_and_resumes(tmp_path, capsys):
   assert f"{tmp_path / 'rope'}" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_resume_starts_encodings_not_begun_and_refuses_other_configs(tmp_path, capsys):
   common = ["--preset", "smoke", "--out", str(tmp_path), "--no-progress"]
   indirect_indexing.main(common + ["--encodings", "rope"])
@@ -109,6 +111,7 @@ def test_checkpoints_file_is_not_taken_for_a_run_not_begun(tmp_path):
                             "--resume", "--no-progress"])
 
 
+@pytest.mark.slow
 def test_resume_after_training_without_result_keeps_the_speed(tmp_path):
   """A run killed during its final evaluation: trained, checkpointed, no result.json."""
   argv = ["--preset", "smoke", "--encodings", "rope", "--out", str(tmp_path), "--no-progress"]

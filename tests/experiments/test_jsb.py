@@ -8,6 +8,7 @@ import pytest
 from experiments import jsb
 
 
+@pytest.mark.slow
 def test_jsb_smoke(tmp_path):
   out = tmp_path / "jsb"
   args = ["--preset", "smoke", "--out", str(out), "--no-progress"]

@@ -38,6 +38,7 @@ def trainings(monkeypatch):
   return names
 
 
+@pytest.mark.slow
 def test_language_model_smoke(lm_out):
   results = json.loads((lm_out / "results.json").read_text())
   assert [(r["encoding"], r["seed"]) for r in results["runs"]] == [
@@ -73,6 +74,7 @@ def test_language_model_seeds_have_own_folders_and_mean_sd(lm_out):
   assert "standard errors (Welch, 2 and 2 seeds)" in results["comparison"]["statement"]
 
 
+@pytest.mark.slow
 def test_language_model_resume_trains_only_new_seeds(lm_out, tmp_path, trainings):
   out = shutil.copytree(lm_out, tmp_path / "lm")
   summary = language_model.main(["--preset", "smoke", "--out", str(out), "--no-progress",
@@ -84,6 +86,7 @@ def test_language_model_resume_trains_only_new_seeds(lm_out, tmp_path, trainings
       statistics.mean(r["valid_perplexity"] for r in results["runs"]))
 
 
+@pytest.mark.slow
 def test_length_extrapolation_over_seeds(lm_out, trainings, capsys):
   record = length_extrapolation.main(["--preset", "smoke", "--out", str(lm_out),
                                       "--no-progress", "--seeds", "0,1"])
@@ -119,6 +122,7 @@ def test_length_extrapolation_over_seeds(lm_out, trainings, capsys):
   assert (lm_out / "extrapolation.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_length_extrapolation_rerun_reuses_every_model(lm_out, tmp_path, trainings):
   # A copy of the shared folder, so that this test runs alone (any order, any pytest-xdist
   # worker) and leaves test_length_extrapolation_over_seeds its first run on lm_out.
@@ -185,6 +189,7 @@ def test_score_bounds_smoke(lm_out, tmp_path, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_two_processes_match_one(lm_out, tmp_path):
   """Multi-host training (`--distributed`, two CPU processes with one device each, gloo) gives
   the single-process results, and process 0 alone writes the shared files."""

@@ -16,6 +16,7 @@ from lpes_jax.tasks.task import TaskConfig
 from lpes_jax.tokenizer import byte_tokenizer
 
 
+@pytest.mark.slow
 def test_smoke_run_killed_then_resumed_skips_finished_stages(tmp_path, monkeypatch, capsys):
   out = tmp_path / "run"
   argv = ["--preset", "smoke", "--out", str(out)]
@@ -105,6 +106,7 @@ def _smoke_routers(path, num_layers: int):
   return str(path)
 
 
+@pytest.mark.slow
 def test_moice_routers_add_moice_beside_the_baselines(tmp_path):
   out = tmp_path / "run"
   routers = _smoke_routers(tmp_path / "routers", 4)
@@ -122,6 +124,7 @@ def test_moice_routers_add_moice_beside_the_baselines(tmp_path):
   assert "| MoICE |" in md and f"the routers in `{routers}`" in md
 
 
+@pytest.mark.slow
 def test_resume_with_moice_routers_adds_moice_to_a_finished_run(tmp_path, capsys):
   out = tmp_path / "run"
   argv = ["--preset", "smoke", "--out", str(out), "--methods", "bezier", "--search-seeds", "0",
@@ -154,6 +157,7 @@ def test_moice_routers_of_another_model_are_a_usage_error_before_the_run(tmp_pat
   assert not (tmp_path / "run" / lpes_ablations.CONFIG_FILE).exists()
 
 
+@pytest.mark.slow
 def test_multiplier_sets_decode_as_the_named_methods():
   # One vmapped call over [ones, 1/1.5] gives the tokens of base and PI (s = 1.5) decoded alone.
   config = LlamaConfig(**lpes_ablations.SMOKE_MODEL)

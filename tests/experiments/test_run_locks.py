@@ -97,6 +97,7 @@ def test_train_and_evaluate_refuses_a_locked_workdir(tmp_path):
                                eval_sources={}, workdir=tmp_path)
 
 
+@pytest.mark.slow
 def test_resume_after_a_killed_run_takes_over_its_lock(tmp_path, capsys):
   argv = ["--preset", "smoke", "--encodings", "rope", "--out", str(tmp_path), "--no-progress"]
   dead = _stale_lock(tmp_path / "rope")

@@ -24,6 +24,7 @@ def _pitches(path) -> list[list[int]]:
           for t in mido.MidiFile(path).tracks]
 
 
+@pytest.mark.slow
 def test_sample_chorale_smoke(run_dir, tmp_path, capsys):
   out = tmp_path / "sub" / "c.mid"
   args = ["--run", str(run_dir), "--out", str(out), "--steps", "12", "--top-k", "40",

@@ -13,6 +13,7 @@ def run_dir(tmp_path_factory):
   return out / "pope"
 
 
+@pytest.mark.slow
 def test_sample_text_smoke(run_dir, capsys):
   args = ["--run", str(run_dir), "--prompt", "To be", "--max-new-tokens", "6", "--top-k", "20",
           "--top-p", "0.9", "--num-samples", "2", "--seed", "3"]
@@ -32,6 +33,7 @@ def test_sample_text_usage_errors(run_dir, tmp_path):
     sample_text.main(["--run", str(run_dir), "--top-p", "0"])
 
 
+@pytest.mark.slow
 def test_bench_decode_smoke(tmp_path):
   from experiments import bench_decode
   record = bench_decode.main(["--preset", "smoke", "--encodings", "pope", "--out", str(tmp_path)])

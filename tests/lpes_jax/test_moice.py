@@ -170,6 +170,7 @@ def test_lm_loss_counts_real_next_tokens_only():
                              rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_router_gradient_matches_finite_differences(params):
   """With top-K = E (smooth: no selection jumps under the perturbation)."""
   tokens, mask = _batch(t=6)
@@ -254,6 +255,7 @@ def test_router_entropy_by_hand():
 # Decoding with the KV cache
 
 
+@pytest.mark.slow
 def test_cached_greedy_decoding_equals_recomputing(params):
   tokens, mask = _batch(b=3, t=8)
   routers = _routers(std=0.7)

@@ -38,6 +38,7 @@ def test_smollm2_logits_match_transformers(smollm2):
   np.testing.assert_array_equal(np.argmax(logits, -1), np.argmax(fx["logits"], -1))
 
 
+@pytest.mark.slow
 def test_smollm2_answers_paris(smollm2, smollm2_tokenizer):
   _, params, config = smollm2
   tok = smollm2_tokenizer

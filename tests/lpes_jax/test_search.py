@@ -46,6 +46,7 @@ def test_two_generations_end_to_end(tmp_path):
                              rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(tmp_path):
   bez = genomes.BezierSpace(bezier.BezierConfig(num_layers=8))
   cfg = search.SearchConfig(num_generations=3, **SMALL)
@@ -76,6 +77,7 @@ def test_resume_refuses_another_fitness(tmp_path):
                     fitness_id={"model": "a.gguf", "mode": "teacher_forced"})
 
 
+@pytest.mark.slow
 def test_state_saved_without_a_fitness_record_resumes_with_a_warning(tmp_path):
   bez = genomes.BezierSpace(bezier.BezierConfig(num_layers=8))
   cfg = search.SearchConfig(num_generations=3, **SMALL)
@@ -162,6 +164,7 @@ def _tiny_batch(params, model):
   return fitness.make_batch(prompts, answers, [i % 3 for i in range(12)])
 
 
+@pytest.mark.slow
 def test_teacher_forced_equals_greedy():
   model = Llama(TINY)
   params = init_params(TINY, jax.random.key(1), scale=0.3)
@@ -207,6 +210,7 @@ SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_four_device_sharding_subprocess():
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
              JAX_PLATFORMS="cpu")

@@ -4,8 +4,7 @@ The CPU interpreter runs the kernels with SMEM-operand matmuls and without the p
 handshakes (`_streaming.interpreted`); these tests lower the paths that only the GPU runs
 (register-operand wgmmas, the ping-pong handshakes, the backward's FlashAttention-3 order,
 the epilogues) through Pallas' Mosaic GPU lowering to NVVM, so an op it cannot lower fails here
-rather than on the GPU. They do not run ptxas or the kernels (experiments.bench_attention
---check does, on a GPU).
+rather than on the GPU. They do not run ptxas or the kernels (tests/gpu/ does, on a GPU).
 """
 
 from __future__ import annotations
@@ -45,11 +44,16 @@ def _lowered_text(h, vd, n, kh, change, dtype=jnp.bfloat16, is_causal=True):
   return grad.trace(q, k, v, delta).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("h, vd, n, kh, change", [
+# (H, V, N, K, changes to `default_block_sizes`): each head dim's default schedules stay in the
+# fast tier; the schedule switches are marked slow.
+DEFAULT_SCHEDULES = [
     (64, 64, 2, 2, {}),
     (128, 128, 2, 1, {}),
     (128, 64, 2, 2, {}),
     (32, 96, 4, 1, {}),
+    (64, 128, 2, 2, {}),
+]
+SWITCHES = [
     (64, 64, 2, 2, {"overlap_bwd": True, "block_kv_dq": 64, "block_q_dkv": 64}),
     (128, 128, 2, 2, {"ping_pong": True, "dkv_roles": False, "overlap_bwd": False}),
     (64, 64, 2, 2, {"dkv_roles": True, "overlap_bwd": True}),
@@ -58,13 +62,16 @@ def _lowered_text(h, vd, n, kh, change, dtype=jnp.bfloat16, is_causal=True):
     (64, 64, 2, 2, {"bounded_softmax": True, "forward_warpgroups": 2}),
     (64, 64, 2, 2, {"bounded_softmax": True, "row_sum_mma": True}),
     (128, 128, 2, 1, {"bounded_softmax": True, "row_sum_mma": False}),
-    (64, 128, 2, 2, {}),
     (64, 64, 2, 2, {"rescale_threshold": 0.0}),
     (128, 128, 2, 1, {"rescale_threshold": None}),
     (64, 64, 2, 2, {"forward_warpgroups": 2}),
     (64, 64, 2, 2, {"forward_warpgroups": 2, "ping_pong": False}),
     (64, 64, 2, 2, {"rescale_threshold": 8.0}),
-])
+]
+
+
+@pytest.mark.parametrize("h, vd, n, kh, change", DEFAULT_SCHEDULES + [
+    pytest.param(*case, marks=pytest.mark.slow) for case in SWITCHES])
 def test_gpu_paths_lower_for_cuda(gpu_paths, h, vd, n, kh, change):
   text = _lowered_text(h, vd, n, kh, change)
   for name in KERNELS:

@@ -97,11 +97,7 @@ def _cases(draw):
   return family, t_len, s_len, is_causal, draw(hst.integers(0, 2**16))
 
 
-@pytest.mark.timeout(1500, method="thread")  # 50 draws: 282 s alone on 2 cores
-@settings(max_examples=50, deadline=None, derandomize=True, database=None,
-          suppress_health_check=list(HealthCheck))
-@given(_cases())
-def test_matches_reference_forward_and_grads(case):
+def _check_case(case):
   family, t_len, s_len, is_causal, seed = case
   problem = _problem(family, t_len, s_len, seed)
   with plgpu.force_gpu_interpret_mode():
@@ -110,10 +106,27 @@ def test_matches_reference_forward_and_grads(case):
   _assert_close(got, want)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1500, method="thread")  # 50 draws: 282 s alone on 2 cores
+@settings(max_examples=50, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(_cases())
+def test_matches_reference_forward_and_grads(case):
+  _check_case(case)
+
+
+@settings(max_examples=3, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(_cases())
+def test_matches_reference_forward_and_grads_few_draws(case):
+  # The fast tier's sibling of the 50-draw test above: the first draws of the same strategy.
+  _check_case(case)
+
+
 @pytest.mark.parametrize("head_dim, max_position", [(32, 4096), (128, 400_000), (64, 2**20)])
 def test_cartesian_halves_match_reference_map(head_dim, max_position):
   # The forward kernel's query map, run as plain jnp on CPU (exact cos/sin here; the GPU's
-  # approximations add ~1e-6, checked end to end by experiments.bench_attention --check). Both
+  # approximations add ~1e-6, checked end to end by the tests/gpu/ tests). Both
   # it and the reference map take pos·θ as one float32 product; the kernel then reduces it by
   # 2π, exactly below 4e5 rad and within half an ulp of pos·θ above.
   ks = jax.random.split(jax.random.key(head_dim), 3)
@@ -186,6 +199,7 @@ def test_explicit_positions_and_empty_rows():
   _assert_close(got, want)
 
 
+@pytest.mark.slow  # a kernel run per position value; explicit positions run in the fast tier
 def test_traced_positions_match_reference_for_each_value():
   # Positions as jit arguments take the traced path of `_position_operands` (visit tables in
   # the call); one compilation must serve both position values.
@@ -285,6 +299,7 @@ def test_kernel_positions_validate():
 
 @pytest.mark.parametrize("family, value_dim, is_causal",
                          [((1, 2, 2, 128), 64, True), ((1, 4, 1, 32), 96, False)])
+@pytest.mark.slow  # V ≠ H also runs compiled on the GPU (tests/gpu) and lowers in CI
 def test_value_width_other_than_head_dim(family, value_dim, is_causal):
   # The forward stages the query tile in its own SMEM buffer (not the output tile's).
   q, k, v, delta, _ = _problem(family, 33, 128, seed=11)
@@ -297,6 +312,7 @@ def test_value_width_other_than_head_dim(family, value_dim, is_causal):
   _assert_close(got, want)
 
 
+@pytest.mark.slow
 def test_float16_inputs():
   q, k, v, delta, cot = _problem((1, 2, 1, 64), 70, 90, seed=5)
   q, k, v = (x.astype(jnp.float16) for x in (q, k, v))
@@ -308,6 +324,7 @@ def test_float16_inputs():
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.slow
 def test_phase_bias_outside_its_range_is_clamped(dtype):
   # δ below -2π, above 0 and at both bounds: the kernel path gives the reference's output and
   # gradient (the clamp's: zero outside, one at the bounds; `encodings.clamp_phase_bias`).
@@ -324,6 +341,7 @@ def test_phase_bias_outside_its_range_is_clamped(dtype):
   assert np.all(np.asarray(got[4])[~outside] != 0)
 
 
+@pytest.mark.slow
 def test_small_magnitudes():
   # Raw q and k near -10: softplus ~ 5e-5, below the epilogues' series threshold (μ < 1/64)
   # for every element, so dq and dk come from g(μ)'s Taylor branch.
@@ -338,6 +356,7 @@ def test_small_magnitudes():
     assert np.abs(x - y).max() < TOL * np.abs(y).max(), name
 
 
+@pytest.mark.slow
 def test_float16_phase_gradient_small_magnitudes():
   # fp16 raw q, k in [-9, -6]: each angle's gradient dφ ∝ da·a is far below fp16's normal range,
   # so the query map's VJP runs in XLA in float32 for fp16 (`_query_vjp_in_kernel`); stored per
@@ -435,6 +454,7 @@ def test_cartesian_vjp_magnitude_factor():
     (64, {"dkv_roles": True}), (128, {"dkv_roles": False}),
     (32, {"dkv_roles": True, "overlap_bwd": True, "block_q_dkv": 64}),
     (32, {"dkv_roles": True, "stages": 3})])
+@pytest.mark.slow  # the default schedules run in the hypothesis tests
 def test_dk_dv_schedules(head_dim, change):
   # The dk/dv schedules other than each head dim's default (which the hypothesis test runs):
   # the warpgroups on a key tile each, or in roles on one (dS handed over per ring slot).
@@ -446,11 +466,12 @@ def test_dk_dv_schedules(head_dim, change):
 
 
 @pytest.mark.parametrize("head_dim, is_causal", [(64, True), (32, False)])
+@pytest.mark.slow  # several tiles per CTA: the interpreter's longest runs
 def test_persistent_launch_over_tiles(head_dim, is_causal):
   # Three query and key tiles per head, two heads: 6 items per kernel. The interpreter runs
   # one item per CTA (`_streaming.num_sms`), so this checks
   # the item numbering and the schedule tables; several items per CTA, the query prefetch and
-  # the ring of slots across items run only on the GPU (experiments.bench_attention --check).
+  # the ring of slots across items run only on the GPU (the tests/gpu/ tests).
   # (At H = 128, non-causal, this shape sometimes never finished in the interpreter on 2 cores,
   # with one tile per CTA too.)
   q, k, v, delta, cot = _problem((1, 2, 1, head_dim), 300, 330, seed=5)
@@ -501,6 +522,7 @@ def test_item_schedule_balances_causal_tiles(monkeypatch):
     (BlockSizes(block_kv=64, forward_warpgroups=3), True),
     (BlockSizes(block_kv=64, forward_warpgroups=3), False),
 ])
+@pytest.mark.slow  # the default schedules run in the hypothesis tests
 def test_forward_schedules(blocks, is_causal):
   # Several key steps per query tile (block_kv 64): skipped, masked and full ranges, 128-row
   # query tiles; warpgroups with no visible key (T < S, offsets). The interpreter runs without
@@ -552,6 +574,7 @@ def _stale_max_steps(q, k, delta, block_q, block_kv, threshold):
     (15.0, 1.0, {"row_sum_mma": True}),
     (8.0, 1.0, {"forward_warpgroups": 3}),
 ])
+@pytest.mark.slow  # the default threshold runs in the hypothesis tests
 def test_rescale_threshold_forward_and_grads(threshold, q_scale, changes):
   # Keys whose magnitudes grow along the sequence: the rows' running max grows at later key
   # blocks by less and by more than the threshold, so some steps keep the stale max (P up to
@@ -731,6 +754,7 @@ def test_bounded_flags_route_each_tile(monkeypatch):
 
 
 @pytest.mark.parametrize("head_dim, row_sum_mma", [(32, False), (64, True)])
+@pytest.mark.slow  # test_bounded_flags_route_each_tile runs bounded tiles in the fast tier
 def test_bounded_softmax_forward_and_grads(head_dim, row_sum_mma):
   # Bounded tiles (exp2 of the scores, no running max) beside unbounded ones (online softmax):
   # large raw queries in the second tile of head 1 (192 rows with three forward warpgroups, the
@@ -748,6 +772,7 @@ def test_bounded_softmax_forward_and_grads(head_dim, row_sum_mma):
   _assert_close(got, _value_and_grads("xla", q, k, v, delta, cot, is_causal=True))
 
 
+@pytest.mark.slow  # a 512 × 512 check shape in the interpreter
 def test_large_magnitudes_error_is_the_bf16_operands():
   # check_h64_large (q, k × 8: softplus up to ~25, scores up to ~200 log2 units). The kernel's
   # output is as far from the float32 reference as float32 attention over the Cartesian q', k'

@@ -34,7 +34,13 @@ CASES = [(enc, mult, kv, keys) for enc in ("rope", "pope") for mult in (False, T
          for kv in (4, 2) for keys in ("mapped", "raw")]
 
 
-@pytest.mark.parametrize("encoding,mult,kv_heads,keys", CASES + [("none", False, 2, "mapped")])
+# The fast tier keeps two cases: PoPE with multipliers and GQA (mapped cache), RoPE (raw cache).
+FAST_CASES = [("pope", True, 2, "mapped"), ("rope", False, 4, "raw")]
+
+
+@pytest.mark.parametrize("encoding,mult,kv_heads,keys", FAST_CASES + [
+    pytest.param(*case, marks=pytest.mark.slow)
+    for case in CASES + [("none", False, 2, "mapped")] if case not in FAST_CASES])
 def test_cached_decoding_equals_full_forward_every_step(encoding, mult, kv_heads, keys):
   """Both KV-cache layouts (`ModelConfig.kv_cache_keys`) give the full forward's logits."""
   cfg, model, params = _model(pos_encoding=encoding, num_kv_heads=kv_heads, kv_cache_keys=keys)
@@ -86,6 +92,7 @@ def _greedy_reference(model, params, prompt, n):
 
 
 @pytest.mark.parametrize("encoding", ["rope", "pope"])
+@pytest.mark.slow  # test_stop_ids_end_rows_and_pad decodes batched rows in the fast tier
 def test_generate_greedy_batched_equals_recomputing_each_prompt(encoding):
   cfg, model, params = _model(pos_encoding=encoding, num_kv_heads=2)
   prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [3, 1, 4, 1]]
@@ -108,6 +115,7 @@ def test_stop_ids_end_rows_and_pad():
   assert int(lengths[0]) == first + 1 and np.all(np.asarray(new)[0, first + 1:] == 39)
 
 
+@pytest.mark.slow
 def test_sampling_limits_and_determinism():
   cfg, _, params = _model(pos_encoding="pope")
   prompts = [[1, 2, 3], [4, 5]]

@@ -69,6 +69,7 @@ def test_training_lowers_the_loss_and_logs(tmp_path):
   assert set(r.metrics) == {"validation"}
 
 
+@pytest.mark.slow
 def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
   (full,) = _run(tmp_path / "full")
   # An interrupted run: a process that stops after its first checkpoint (step 12).
@@ -167,6 +168,7 @@ def test_select_split_must_be_evaluated_and_best_needs_selection(finished, tmp_p
   assert finished[1].best_step is None and finished[1].best_params is None
 
 
+@pytest.mark.slow
 def test_seeds_trained_together_equal_seeds_trained_alone(tmp_path):
   together = _run(tmp_path / "together", seeds=(0, 5))
   (alone,) = _run(tmp_path / "alone", train=dataclasses.replace(TRAIN, seed=5))
@@ -177,6 +179,7 @@ def test_seeds_trained_together_equal_seeds_trained_alone(tmp_path):
   assert together[0].seed == 0 and together[1].seed == 5
 
 
+@pytest.mark.slow
 def test_seeds_trained_in_turn_share_one_compile(tmp_path, monkeypatch):
   """A second seed of the same config reuses the jitted step (no new trace or compile) and trains
   exactly as a freshly compiled one."""
@@ -344,6 +347,7 @@ except ValueError as e:
   assert "batch_size=6" in out.stdout, out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_data_parallel_over_four_devices_matches_one_device(tmp_path):
   code = f"""
 import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
@@ -360,6 +364,7 @@ np.save({str(tmp_path / 'four.npy')!r}, np.concatenate([np.ravel(x) for x in jax
   np.testing.assert_allclose(np.load(tmp_path / "four.npy"), flat, rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_init_params_starts_every_seed_from_given_parameters(tmp_path):
   from pope_jax.model import Transformer
   given = Transformer(MODEL).init(jax.random.key(99), np.zeros((1, 8), np.int32))["params"]
@@ -371,6 +376,7 @@ def test_init_params_starts_every_seed_from_given_parameters(tmp_path):
       np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_fsdp_over_four_devices_matches_one_device(tmp_path):
   code = f"""
 import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
@@ -426,6 +432,7 @@ def test_cross_entropy_matches_optax_in_value_and_gradient(dtype):
   np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g_ref, np.float32), atol=tol)
 
 
+@pytest.mark.slow
 def test_compute_dtype_logits_train_like_float32_logits():
   cfg = config.ModelConfig(vocab_size=11, num_layers=1, d_model=16, num_heads=2, dtype="bfloat16")
   tokens = jax.random.randint(jax.random.key(0), (2, 6), 0, 11)
