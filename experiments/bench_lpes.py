@@ -282,11 +282,15 @@ def report(results: dict, out: str) -> str:
   if smol:
     ours = np.asarray(smol["fused"]["counts"])
     ref = np.asarray(smol["before"]["counts"])
-    lines.append(f"SmolLM2 counts ({smol['what']}), fused bf16 vs before (xla float32): subset counts differ by "
-                 f"{int(np.abs(ours - ref).sum())} in all, of {len(ours) * smol['examples']} "
+    lines.append(f"SmolLM2 counts ({smol['what']}), fused bf16 vs before (xla float32): "
+                 f"subset counts differ by {int(np.abs(ours - ref).sum())} in all, of "
+                 f"{len(ours) * smol['examples']} "
                  f"candidate-examples (per candidate: fused {ours.sum(1).tolist()}, before "
                  f"{ref.sum(1).tolist()})")
-    if "smollm2" in torch_runs:
+    random = "random weights"
+    if "smollm2" in torch_runs and random in smol["what"] + torch_runs["smollm2"]["source"]:
+      lines.append("SmolLM2 counts vs transformers: not compared (random weights, drawn apart)")
+    elif "smollm2" in torch_runs:
       theirs = np.asarray(torch_runs["smollm2"]["counts"])
       same = "the same" if np.array_equal(ours, theirs) else "differing"
       lines.append(f"SmolLM2 counts, fused bf16 vs transformers {torch_runs['smollm2']['dtype']}:"
