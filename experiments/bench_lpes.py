@@ -9,7 +9,7 @@ Cases: SmolLM2-135M on its KV search set (6 pairs, 4-hex keys and values, seed 0
 docs/lpes.md), and the Llama-7B shape with random bf16 weights at the prompt lengths of the
 paper's tasks (random tokens: the cost of a row depends only on its length). The SmolLM2 case
 reads a folder that `--export-smollm2` writes from the real GGUF (config.json and the search set's
-rows and candidates, a few hundred KB, so it travels where the GGUF does not) and, unless the
+rows and candidates, tens of KB, so it travels where the GGUF does not) and, unless the
 folder holds weights (`--with-weights`), runs random bf16 weights of SmolLM2's shape: throughput
 does not depend on the weight values, and the output says which weights ran. Each case is timed
 with two settings of `lpes_jax.fitness`: "before", the settings of the search runs in
