@@ -1,21 +1,26 @@
 """Throughput of the LPES teacher-forced fitness in candidate-examples per second.
 
-    python -m experiments.bench_lpes --preset h100 --out runs/bench_lpes   # one GPU, ~3 min
-    python -m experiments.bench_lpes --preset smoke --out /tmp/bench_lpes  # CPU, tiny shapes
-    python -m experiments.bench_lpes --report --out runs/bench_lpes        # tables only
+    python -m experiments.bench_lpes --export-smollm2 .cache/smollm2_set   # where the GGUF is
+    python -m experiments.bench_lpes --preset h100 --out runs/bench_lpes    # one GPU, ~3 min
+    python -m experiments.bench_lpes --preset smoke --smollm2 /tmp/s --out /tmp/bench_lpes  # CPU
+    python -m experiments.bench_lpes --report --out runs/bench_lpes         # tables only
 
-Cases: SmolLM2-135M (the real GGUF) on its KV search set (6 pairs, 4-hex keys and values, seed 0:
-the set of docs/lpes.md), and the Llama-7B shape with random bf16 weights at the prompt lengths
-of the paper's tasks (random tokens: the cost of a row depends only on its length). Each case is
-timed with two settings of `lpes_jax.fitness`: "before", the settings of the search runs in
+Cases: SmolLM2-135M on its KV search set (6 pairs, 4-hex keys and values, seed 0: the set of
+docs/lpes.md), and the Llama-7B shape with random bf16 weights at the prompt lengths of the
+paper's tasks (random tokens: the cost of a row depends only on its length). The SmolLM2 case
+reads a folder that `--export-smollm2` writes from the real GGUF (config.json and the search set's
+rows and candidates, tens of KB, so it travels where the GGUF does not) and, unless the
+folder holds weights (`--with-weights`), runs random bf16 weights of SmolLM2's shape: throughput
+does not depend on the weight values, and the output says which weights ran. Each case is timed
+with two settings of `lpes_jax.fitness`: "before", the settings of the search runs in
 docs/lpes.md (XLA attention; SmolLM2 in float32 with 100 examples per forward; at 7B, KV only,
 the largest steps that fit, as all candidates at once do not), and "fused", bfloat16 with
 `attention_implementation=None` (cuDNN on a GPU). From the 7B rates it projects a search of
 208 candidates × 200 examples on one device, beside the paper's 3-4 h on four H100s.
 
-It also writes what `experiments/lpes_transformers.py` needs to score the same SmolLM2 examples
-and candidates in PyTorch (a Hugging Face folder, an .npz); `--report` reads that script's JSON
-files from --out and prints its rates beside ours and whether the SmolLM2 counts agree.
+`experiments/lpes_transformers.py` scores the same folder in PyTorch; `--report` reads that
+script's JSON files from --out and prints its rates beside ours and whether the SmolLM2 counts
+agree.
 """
 
 from __future__ import annotations
@@ -88,14 +93,14 @@ PRESETS = {
                             "fused": Settings(None, "bfloat16", 2, 2)}, 2, 4, 40, 4),
         Case("llama7b_mdqa", {"fused": Settings(None, "bfloat16", 2, 2)}, 2, 4, 30, 2)],
 }
-PRESET_HELP = {"h100": "SmolLM2-135M GGUF (200 examples x 16 candidates) and the 7B shape (16 x 2) "
-                       "at KV 4000 and MDQA 3000 tokens (before: KV only)",
-               "smoke": "tiny random-weight shapes on the CPU, for tests"}
+PRESET_HELP = {"h100": "the --smollm2 folder (exported: 200 examples x 16 candidates) and the 7B "
+                       "shape (16 x 2) at KV 4000 and MDQA 3000 tokens (before: KV only)",
+               "smoke": "tiny random-weight shapes on the CPU (export: a tiny model), for tests"}
 
 
 def smollm2_search_set(smoke: bool, num_examples: int, num_candidates: int):
-  """(config, params, batch, multipliers [P, L]): the real SmolLM2 and its KV search set
-  (smoke: a tiny random model and random rows), identity plus random Bézier candidates."""
+  """(config, params, batch, multipliers [P, L]): the real SmolLM2 (the GGUF) and its KV search
+  set (smoke: a tiny random model and random rows), identity plus random Bézier candidates."""
   if smoke:
     config, params = TINY, init_params(TINY, jax.random.key(0), scale=0.3)
     rng = np.random.default_rng(0)
@@ -114,6 +119,44 @@ def smollm2_search_set(smoke: bool, num_examples: int, num_candidates: int):
   rng = np.random.default_rng(0)
   genome = np.stack([space.identity()] + [space.random(rng) for _ in range(num_candidates - 1)])
   return config, params, batch, bezier.scales_to_multipliers(space.scales(genome))
+
+
+BATCH_FIELDS = tuple(f.name for f in dataclasses.fields(fitness.FitnessBatch))
+
+
+def export_smollm2(folder: str, smoke: bool, num_examples: int, num_candidates: int,
+                   with_weights: bool) -> None:
+  """The SmolLM2 search set as a folder that needs no GGUF: config.json (Hugging Face form),
+  search_set.npz (the `FitnessBatch` arrays, the candidates' `multipliers` [P, L] and the
+  teacher-forced `tokens`, `at`, `targets`, `target_mask` that `lpes_transformers` reads) and,
+  `with_weights`, the float32 weights as model.safetensors (about 0.5 GB for SmolLM2)."""
+  config, params, batch, mults = smollm2_search_set(smoke, num_examples, num_candidates)
+  os.makedirs(folder, exist_ok=True)
+  tokens, at, targets, tmask = fitness.teacher_forced_inputs(batch)
+  what = "tiny shape, random rows" if smoke else "SmolLM2-135M shape, its KV search set"
+  np.savez_compressed(os.path.join(folder, "search_set.npz"), what=what,
+                      multipliers=np.asarray(mults, np.float32), tokens=tokens, at=at,
+                      targets=targets, target_mask=tmask,
+                      **{name: getattr(batch, name) for name in BATCH_FIELDS})
+  common.write_json(os.path.join(folder, "config.json"), hf_config(config))
+  if with_weights:
+    export_weights(config, params, folder)
+
+
+def load_smollm2(folder: str):
+  """(config, params, batch, multipliers, what) from an `export_smollm2` folder: its weights if
+  it has model.safetensors, else random bf16 weights of its config (the throughput of a forward
+  does not depend on the weight values); `what` names the model, the rows and the weights."""
+  from lpes_jax.checkpoints import load_hf, load_hf_config
+  with np.load(os.path.join(folder, "search_set.npz")) as f:
+    batch = fitness.FitnessBatch(**{name: f[name] for name in BATCH_FIELDS})
+    mults, what = f["multipliers"], str(f["what"])
+  if os.path.exists(os.path.join(folder, "model.safetensors")):
+    config, params = load_hf(folder)
+    return config, params, batch, mults, what + ", its weights"
+  config = load_hf_config(folder)
+  params = init_params(dataclasses.replace(config, dtype="bfloat16"), jax.random.key(0))
+  return config, params, batch, mults, what + ", random weights"
 
 
 def synthetic_batch(config: LlamaConfig, examples: int, prompt_len: int, window: int):
@@ -145,9 +188,25 @@ def time_fitness(config, params, batch, mults, s: Settings, reps: int) -> dict:
           "counts": counts.tolist()}
 
 
-def export_hf_folder(config: LlamaConfig, params, folder: str) -> None:
-  """A Hugging Face `LlamaForCausalLM` folder (config.json, float32 model.safetensors) of the
-  params, through the loader's own name map (`checkpoints.hf_name_map`)."""
+def hf_config(config: LlamaConfig) -> dict:
+  """The Hugging Face `LlamaForCausalLM` config.json of `config` (read back by
+  `checkpoints.load_hf_config`, and by transformers)."""
+  if config.rope_scaling is not None:
+    raise ValueError("hf_config: checkpoints with built-in RoPE scaling are not exported")
+  return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+          "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+          "intermediate_size": config.intermediate_size,
+          "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+          "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+          "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
+          "max_position_embeddings": config.max_position_embeddings,
+          "tie_word_embeddings": config.tie_word_embeddings, "hidden_act": "silu",
+          "torch_dtype": "float32"}
+
+
+def export_weights(config: LlamaConfig, params, folder: str) -> None:
+  """`folder/model.safetensors`: the params as float32 Hugging Face tensors, through the
+  loader's own name map (`checkpoints.hf_name_map`)."""
   from safetensors.numpy import save_file
   from lpes_jax.checkpoints import hf_name_map
   tensors = {}
@@ -158,27 +217,7 @@ def export_hf_folder(config: LlamaConfig, params, folder: str) -> None:
     w = np.asarray(w, np.float32)
     tensors[spec.name] = np.ascontiguousarray(w.T if "transpose" in spec.transform else w)
     assert tensors[spec.name].shape == spec.shape, (spec.name, tensors[spec.name].shape)
-  os.makedirs(folder, exist_ok=True)
   save_file(tensors, os.path.join(folder, "model.safetensors"))
-  hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
-        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings, "hidden_act": "silu",
-        "torch_dtype": "float32"}
-  if config.rope_scaling is not None:
-    raise ValueError("export_hf_folder: checkpoints with built-in RoPE scaling are not exported")
-  common.write_json(os.path.join(folder, "config.json"), hf)
-
-
-def export_examples(batch, mults, path: str) -> None:
-  """The rows, answer positions, targets, subsets and candidates as `lpes_transformers` reads."""
-  tokens, at, targets, tmask = fitness.teacher_forced_inputs(batch)
-  np.savez(path, tokens=tokens, at=at, targets=targets, target_mask=tmask, subset=batch.subset,
-           multipliers=np.asarray(mults, np.float32))
 
 
 def run(args) -> dict:
@@ -194,13 +233,14 @@ def run(args) -> dict:
       params = init_params(dataclasses.replace(config, dtype="bfloat16"), jax.random.key(0))
       batch = synthetic_batch(config, case.examples, case.prompt_len, case.window)
       mults = 1 / np.random.default_rng(0).uniform(1, 2, (case.candidates, config.num_layers))
+      what = f"{'tiny' if smoke else 'Llama-7B'} shape, random rows, random weights"
     else:
-      config, params, batch, mults = smollm2_search_set(smoke, case.examples, case.candidates)
-      export_hf_folder(config, params, os.path.join(args.out, "smollm2_hf"))
-      export_examples(batch, mults, os.path.join(args.out, "smollm2_examples.npz"))
+      config, params, batch, mults, what = load_smollm2(args.smollm2)
     rows = fitness.teacher_forced_inputs(batch)[0].shape[1]
-    record = results["cases"][case.name] = {"tokens_per_row": rows, "examples": case.examples,
-                                            "candidates": case.candidates}
+    record = results["cases"][case.name] = {"what": what, "tokens_per_row": rows,
+                                            "examples": batch.num_examples,
+                                            "candidates": len(mults)}
+    print(f"{case.name}: {what}", flush=True)
     for name, s in case.settings.items():
       record[name] = time_fitness(config, params, batch, mults, s, args.reps)
       print(f"{case.name:14s} {name:7s} {s.label():40s} "
@@ -228,6 +268,7 @@ def report(results: dict, out: str) -> str:
     lines.append(f"| {name} | {r['tokens_per_row']} | {cell(before)} | {cell(fused)} | "
                  f"{cell(before and fused / before)} | {cell(theirs)} | "
                  f"{cell(theirs and fused / theirs)} |")
+  lines += [f"{name}: {r['what']}" for name, r in results["cases"].items()]
   n = PAPER_SEARCH[0] * PAPER_SEARCH[1]
   for name, r in results["cases"].items():
     if name.startswith("llama7b"):
@@ -241,11 +282,15 @@ def report(results: dict, out: str) -> str:
   if smol:
     ours = np.asarray(smol["fused"]["counts"])
     ref = np.asarray(smol["before"]["counts"])
-    lines.append(f"SmolLM2 counts, fused bf16 vs before (xla float32): subset counts differ by "
-                 f"{int(np.abs(ours - ref).sum())} in all, of {len(ours) * smol['examples']} "
+    lines.append(f"SmolLM2 counts ({smol['what']}), fused bf16 vs before (xla float32): "
+                 f"subset counts differ by {int(np.abs(ours - ref).sum())} in all, of "
+                 f"{len(ours) * smol['examples']} "
                  f"candidate-examples (per candidate: fused {ours.sum(1).tolist()}, before "
                  f"{ref.sum(1).tolist()})")
-    if "smollm2" in torch_runs:
+    random = "random weights"
+    if "smollm2" in torch_runs and random in smol["what"] + torch_runs["smollm2"]["source"]:
+      lines.append("SmolLM2 counts vs transformers: not compared (random weights, drawn apart)")
+    elif "smollm2" in torch_runs:
       theirs = np.asarray(torch_runs["smollm2"]["counts"])
       same = "the same" if np.array_equal(ours, theirs) else "differing"
       lines.append(f"SmolLM2 counts, fused bf16 vs transformers {torch_runs['smollm2']['dtype']}:"
@@ -263,16 +308,36 @@ def main(argv=None) -> None:
   p.add_argument("--reps", type=common.positive_int, default=2,
                  help="timed calls per setting after the compiling one (median reported)")
   p.add_argument("--skip-7b", action="store_true", help="leave out the 7B-shape cases")
+  p.add_argument("--smollm2", default=".cache/smollm2_set",
+                 help="folder of the SmolLM2 case, written by --export-smollm2")
+  p.add_argument("--export-smollm2", metavar="DIR",
+                 help="write the SmolLM2 search set (the preset's size) and config to DIR for "
+                      "--smollm2 (needs the GGUF; smoke: a tiny model), measure nothing")
+  p.add_argument("--export-size", type=common.positive_int, nargs=2,
+                 metavar=("EXAMPLES", "CANDIDATES"), help="--export-smollm2: this size instead")
+  p.add_argument("--with-weights", action="store_true",
+                 help="--export-smollm2: also the float32 weights, which --smollm2 then uses "
+                      "instead of random ones")
   p.add_argument("--report", action="store_true",
                  help="print the tables of the results already in --out, measure nothing")
   args = p.parse_args(argv)
   path = os.path.join(args.out, "results.json")
+  if args.export_smollm2:
+    case = next(c for c in PRESETS[args.preset] if c.name == "smollm2_kv")
+    examples, candidates = args.export_size or (case.examples, case.candidates)
+    export_smollm2(args.export_smollm2, args.preset == "smoke", examples, candidates,
+                   args.with_weights)
+    print(f"wrote {args.export_smollm2}: {examples} examples x {candidates} candidates")
+    return
   if args.report:
     if not os.path.exists(path):
       p.error(f"--report: no {path}; run without --report first")
     with open(path) as fh:
       results = json.load(fh)
   else:
+    if not os.path.exists(os.path.join(args.smollm2, "search_set.npz")):
+      p.error(f"--smollm2: no {args.smollm2}/search_set.npz; write it with --export-smollm2 "
+              f"{args.smollm2} (on a machine with the SmolLM2 GGUF)")
     os.makedirs(args.out, exist_ok=True)
     with common.locked(p, args.out):
       results = run(args)

@@ -1,19 +1,20 @@
 """The LPES teacher-forced fitness as a PyTorch user writes it: transformers, candidates in turn.
 
-    python experiments/lpes_transformers.py --model runs/bench_lpes/smollm2_hf \\
-        --examples runs/bench_lpes/smollm2_examples.npz \\
+    python experiments/lpes_transformers.py --model .cache/smollm2_set --random-weights \\
         --out runs/bench_lpes/transformers_smollm2.json
     python experiments/lpes_transformers.py --shape llama-7b --prompt-len 4000 --window 32 \\
         --num-examples 16 --num-candidates 2 --out runs/bench_lpes/transformers_7b_kv.json
 
-`LlamaForCausalLM` (sdpa attention) from a Hugging Face folder (`--model`; `experiments.bench_lpes`
-exports SmolLM2 as one, with the search examples and candidates it scores) or from a `LlamaConfig`
-with random weights (`--shape`, random tokens). Each layer's RoPE frequencies are scaled by that
-layer's multiplier 1/s: a forward pre-hook per decoder layer replaces the shared (cos, sin) with
-its own, from the model's `inv_freq` times the multiplier. Candidates run one at a time; examples
-in batches of `--example-batch`, right-padded (a causal model reads them as unpadded, so no mask
-is needed), the answer-position logits gathered from the last hidden state. An example counts
-iff the argmax at every answer position is the next gold token (as `lpes_jax.fitness`).
+`LlamaForCausalLM` (sdpa attention) from a Hugging Face folder (`--model`: `experiments.bench_lpes
+--export-smollm2` writes SmolLM2's config and the search examples and candidates it scores, with
+`--with-weights` the weights too; `--random-weights` takes random ones of the folder's config, as
+`bench_lpes --smollm2` does without weights) or from a named shape with random weights (`--shape`,
+random tokens). Each layer's RoPE frequencies are scaled by that layer's multiplier 1/s: a forward
+pre-hook per decoder layer replaces the shared (cos, sin) with its own, from the model's `inv_freq`
+times the multiplier. Candidates run one at a time; examples in batches of `--example-batch`,
+right-padded (a causal model reads them as unpadded, so no mask is needed), the answer-position
+logits gathered from the last hidden state. An example counts iff the argmax at every answer
+position is the next gold token (as `lpes_jax.fitness`).
 
 Prints candidate-examples/s (the first candidate, which warms up, is not timed) and writes the
 per-candidate subset counts to `--out` (JSON), which `experiments.bench_lpes --report` compares
@@ -72,11 +73,12 @@ def load_model(args, device, dtype):
   import torch
   import transformers
 
-  if args.model:
+  if args.model and not args.random_weights:
     model = transformers.LlamaForCausalLM.from_pretrained(args.model, dtype=dtype,
                                                           attn_implementation="sdpa")
     return model.to(device).eval()
-  cfg = transformers.LlamaConfig(**SHAPES[args.shape])
+  cfg = (transformers.LlamaConfig.from_pretrained(args.model) if args.model
+         else transformers.LlamaConfig(**SHAPES[args.shape]))
   torch.manual_seed(0)
   with torch.device(device):
     model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa",
@@ -129,9 +131,11 @@ def main(argv=None) -> None:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   src = p.add_mutually_exclusive_group(required=True)
   src.add_argument("--model", help="Hugging Face Llama folder (e.g. exported by bench_lpes)")
+  p.add_argument("--random-weights", action="store_true",
+                 help="--model: random weights of its config.json instead of its weights")
   src.add_argument("--shape", choices=tuple(SHAPES), help="random weights of this shape")
   p.add_argument("--examples", help="with --model: the .npz of examples and candidates that "
-                                    "bench_lpes wrote")
+                                    "bench_lpes wrote (default: the folder's search_set.npz)")
   p.add_argument("--prompt-len", type=int, default=4000, help="--shape: prompt tokens per row")
   p.add_argument("--window", type=int, default=32, help="--shape: answer tokens per row")
   p.add_argument("--num-examples", type=int, default=16, help="--shape: rows")
@@ -142,8 +146,13 @@ def main(argv=None) -> None:
                  help="default: bfloat16 on a GPU, float32 on the CPU")
   p.add_argument("--out", required=True, help="results JSON file")
   args = p.parse_args(argv)
-  if args.model and not args.examples:
-    p.error("--model needs --examples (the .npz that experiments.bench_lpes writes)")
+  if args.random_weights and not args.model:
+    p.error("--random-weights goes with --model (its config.json)")
+  if args.model:
+    args.examples = args.examples or os.path.join(args.model, "search_set.npz")
+    if not os.path.exists(args.examples):
+      p.error(f"--examples: no {args.examples} (experiments.bench_lpes --export-smollm2 writes "
+              f"it)")
   for name in ("prompt_len", "window", "num_examples", "num_candidates", "example_batch"):
     if getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -170,7 +179,8 @@ def main(argv=None) -> None:
   E = len(data["tokens"])
   timed = seconds[1:] or seconds
   throughput = len(timed) * E / sum(timed)
-  result = {"source": args.model or args.shape, "device": str(
+  source = args.shape or args.model + (" (random weights)" if args.random_weights else "")
+  result = {"source": source, "device": str(
       torch.cuda.get_device_name() if device == "cuda" else "cpu"), "dtype": dtype_name,
             "examples": E, "tokens_per_row": int(data["tokens"].shape[1]),
             "example_batch": args.example_batch, "counts": counts, "seconds": seconds,

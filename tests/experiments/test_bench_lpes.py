@@ -1,5 +1,6 @@
-"""experiments.bench_lpes at tiny shapes on the CPU, and experiments/lpes_transformers.py against
-the export it reads (only where torch and transformers are installed)."""
+"""experiments.bench_lpes at tiny shapes on the CPU (its SmolLM2 case through the exported
+folder, with and without weights), and experiments/lpes_transformers.py on that folder (only where
+torch and transformers are installed)."""
 
 import json
 import os
@@ -15,10 +16,42 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
+def smoke_set(tmp_path_factory):
+  """An exported tiny search set with its weights (6 examples x 2 candidates)."""
+  folder = tmp_path_factory.mktemp("smoke_set")
+  bench_lpes.main(["--preset", "smoke", "--export-smollm2", str(folder), "--with-weights"])
+  return folder
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory, smoke_set):
   out = tmp_path_factory.mktemp("bench_lpes")
-  bench_lpes.main(["--preset", "smoke", "--out", str(out), "--reps", "1"])
+  bench_lpes.main(["--preset", "smoke", "--smollm2", str(smoke_set), "--out", str(out),
+                   "--reps", "1"])
   return out
+
+
+def test_export_round_trips_the_search_set_and_config(tmp_path):
+  """Without weights the folder is config.json + search_set.npz; read back, the rows, the
+  candidates and the config are the exported ones and the weights are random, of that shape."""
+  bench_lpes.main(["--preset", "smoke", "--export-smollm2", str(tmp_path), "--export-size", "5",
+                   "3"])
+  assert sorted(os.listdir(tmp_path)) == ["config.json", "search_set.npz"]
+  config, params, batch, mults, what = bench_lpes.load_smollm2(str(tmp_path))
+  ref_config, _, ref_batch, ref_mults = bench_lpes.smollm2_search_set(True, 5, 3)
+  assert config == ref_config
+  for name in bench_lpes.BATCH_FIELDS:
+    np.testing.assert_array_equal(getattr(batch, name), getattr(ref_batch, name))
+  np.testing.assert_allclose(mults, ref_mults, rtol=1e-7)
+  assert what == "tiny shape, random rows, random weights"
+  assert params["embed_tokens"]["embedding"].shape == (config.vocab_size, config.hidden_size)
+
+
+def test_run_without_a_search_set_is_a_usage_error(tmp_path, capsys):
+  with pytest.raises(SystemExit):
+    bench_lpes.main(["--preset", "smoke", "--smollm2", str(tmp_path / "none"), "--out",
+                     str(tmp_path)])
+  assert "--export-smollm2" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -31,27 +64,29 @@ def test_smoke_preset_times_every_case_and_projects(smoke_run, capsys):
     for name in {"before", "fused"} & set(case):
       assert case[name]["candidate_examples_per_s"] > 0
       assert np.asarray(case[name]["counts"]).shape == (case["candidates"], 3)
-  assert (smoke_run / "smollm2_hf" / "model.safetensors").exists()
+  assert results["cases"]["smollm2_kv"]["what"] == "tiny shape, random rows, its weights"
   bench_lpes.main(["--report", "--out", str(smoke_run)])
   text = capsys.readouterr().out
   assert "projected 7B search, llama7b_kv" in text and "paper: 3-4 h" in text
 
 
 @pytest.mark.slow
-def test_transformers_loop_counts_what_the_jax_fitness_counts(smoke_run):
+def test_transformers_loop_counts_what_the_jax_fitness_counts(smoke_run, smoke_set):
   """The PyTorch loop on the exported tiny model, in float32, gives the JAX fitness's float32
-  ("before") counts, and bench_lpes --report reads its JSON."""
+  ("before") counts; with --random-weights it runs the folder's shape."""
   pytest.importorskip("torch")
   pytest.importorskip("transformers")
-  out = smoke_run / "transformers_smollm2.json"
-  subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "lpes_transformers.py"),
-                  "--model", str(smoke_run / "smollm2_hf"), "--examples",
-                  str(smoke_run / "smollm2_examples.npz"), "--dtype", "float32", "--out",
-                  str(out)], check=True, cwd=ROOT, timeout=600)
-  with open(out) as fh:
-    theirs = json.load(fh)
   with open(smoke_run / "results.json") as fh:
     ours = json.load(fh)["cases"]["smollm2_kv"]["before"]["counts"]
+  script = os.path.join(ROOT, "experiments", "lpes_transformers.py")
+  out = smoke_run / "transformers_smollm2.json"
+  for flags in (["--random-weights"], []):
+    subprocess.run([sys.executable, script, "--model", str(smoke_set), "--dtype", "float32",
+                    "--out", str(out), *flags], check=True, cwd=ROOT, timeout=600)
+    with open(out) as fh:
+      theirs = json.load(fh)
+    assert np.asarray(theirs["counts"]).shape == np.asarray(ours).shape
+    assert theirs["source"].endswith("(random weights)") == bool(flags)
   assert theirs["counts"] == ours
 
 
