@@ -49,18 +49,18 @@ def test_default_picks_the_decoding_kernel_only_for_decoding_on_hopper(monkeypat
     platform, compute_capability = "gpu", "9.0"
   q, k, v, mask = _qkv()
   choose = lambda op, why, q, k, v, **kw: attention._choose(op, None, why, q, k, v, **kw)
-  rope = dict(plain=False, local_window=None)
+  rope = dict(local_window=None, segment_ids=False)
   assert choose("rope", attention._rope_why_not, q, k, v, **rope) == "xla"            # CPU
   monkeypatch.setattr(jax, "devices", lambda: [FakeDevice()])
   assert choose("decode", attention._decode_why_not, q, k, v) == "pallas"
   assert choose("rope", attention._rope_why_not, q, k, v, **rope) == "pallas"
   assert choose("pope", attention._pope_why_not, q, k, v, multiplier=0.5,
-                key_mask=mask) == "pallas"
+                key_mask=mask, segment_ids=False) == "pallas"
   q17 = jnp.zeros((2, 17, 4, 64), jnp.bfloat16)                   # prefill: not decoding
   assert choose("pope", attention._pope_why_not, q17, k, v, multiplier=None,
-                key_mask=mask) == "xla"
-  assert choose("rope", attention._rope_why_not, q, k, v, plain=False,
-                local_window=8) == "xla"                            # no window in the kernel
+                key_mask=mask, segment_ids=False) == "cudnn"
+  assert choose("rope", attention._rope_why_not, q, k, v, local_window=8,
+                segment_ids=False) == "cudnn"                       # no window in the kernel
   assert choose("decode", attention._decode_why_not, q.astype(jnp.float32), k, v) == "xla"
 
 
