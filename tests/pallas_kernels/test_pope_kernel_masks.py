@@ -162,7 +162,9 @@ def _decode_case(t_len, s_len, seed=0):
           (k_seg[:, s_len - t_len:], k_seg))
 
 
-@pytest.mark.parametrize("t_len, s_len", [(1, 1), (1, 300), (7, 7), (7, 259)])
+@pytest.mark.parametrize("t_len, s_len", [
+    (1, 300), (7, 7),
+    pytest.param(1, 1, marks=pytest.mark.slow), pytest.param(7, 259, marks=pytest.mark.slow)])
 def test_decode_shapes(t_len, s_len):
   problem, key_mask, segments = _decode_case(t_len, s_len)
   _check(problem, is_causal=True, key_mask=key_mask, segment_ids=segments, blocks=None)
