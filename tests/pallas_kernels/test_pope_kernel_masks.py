@@ -2,9 +2,8 @@
 against the XLA reference in the Mosaic GPU interpreter: the forward and the gradients of q, k,
 v and δ.
 
-The reference is PoPE written as "map q, k to Cartesian form, then ordinary attention" with the
-mask built here from the rule: query t sees key s iff key_mask[s], seg_q[t] == seg_k[s] and, when
-causal, pos_k[s] <= pos_q[t]. Blocks of 64 keys put several tiles in 128 positions, so the
+The reference is the library's XLA path, or with segment ids `tests.pallas_kernels.masks.reference`
+(the rule written out). Blocks of 64 keys put several tiles in 128 positions, so the
 draws cross tile boundaries and skip whole tiles while every draw of a test shares one padded
 shape (the kernels' compilations are reused; CI time).
 """
@@ -24,6 +23,7 @@ from pallas_kernels import pope_attention as kernel
 from pallas_kernels.pope_attention_config import BlockSizes
 from pope_jax import attention, encodings, positions
 from tests.pallas_kernels.entry import kernel_attention
+from tests.pallas_kernels.masks import reference
 
 # As in test_pope_attention: a run that stops making progress in the interpreter is retried.
 pytestmark = [pytest.mark.timeout(300, method="thread"), pytest.mark.flaky(reruns=2)]
@@ -44,22 +44,6 @@ def _problem(family, t_len, s_len, seed):
   delta = jax.random.uniform(ks[3], (n, h), jnp.float32, -2 * math.pi, 0.0)
   cot = jax.random.normal(ks[4], (b, t_len, n, h), jnp.float32)
   return q, k, v, delta, cot
-
-
-def reference(q, k, v, delta, *, is_causal, key_mask=None, segment_ids=None, multiplier=None):
-  """PoPE as Cartesian vectors, then attention with the mask of the rule (float32)."""
-  b, t_len, n, h = q.shape
-  q_pos, k_pos, _ = positions.resolve(b, t_len, k.shape[1], None, None, None)
-  mask = positions.attention_mask(q_pos, k_pos, is_causal=is_causal, k_valid=key_mask)
-  if segment_ids is not None:
-    q_seg, k_seg = segment_ids
-    same = q_seg[:, :, None] == k_seg[:, None, :]
-    mask = same if mask is None else mask & same
-  qc = encodings.pope_cartesian(q, q_pos, phase=-encodings.clamp_phase_bias(delta),
-                                multiplier=multiplier)
-  kc = encodings.pope_cartesian(k, k_pos, multiplier=encodings.kv_head_multiplier(
-      multiplier, n, k.shape[2]))
-  return attention.dot_product_attention_reference(qc, kc, v, scale=1 / math.sqrt(h), mask=mask)
 
 
 def _value_and_grads(fn, q, k, v, delta, cot):
