@@ -256,17 +256,14 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 @functools.partial(jax.jit, static_argnames=("batch", "t_len", "s_len", "is_causal", "plan"))
 def _position_operands(q_positions, k_positions, key_mask, segment_ids, *, batch: int,
                        t_len: int, s_len: int, is_causal: bool, plan: _Plan):
-  """The kernels' position operands but the angle tables: float32 query angle positions
-  [1 or B, T_pad], key positions [S] / [B, S] unpadded (for `key_table`), masking positions with
-  padding sentinels [B, T_pad], [B, S_pad] (keys outside `key_mask` [B, S] bool, if given, are
+  """The kernels' masking operands: float32 positions with padding sentinels [B, T_pad],
+  [B, S_pad] (keys outside `key_mask` [B, S] bool, if given, are
   padding too), float32 segment ids [B, T_pad], [B, S_pad] (padded with the last id) or None
   from `segment_ids` (q [B, T], kv [B, S] int) or None, and per kernel its `st.visit_table`."""
   q_pos = jnp.broadcast_to(jnp.asarray(q_positions), (batch, t_len)).astype(jnp.float32)
   k_pos = jnp.broadcast_to(jnp.asarray(k_positions), (batch, s_len))
   mult = plan.blocks.seq_multiple
   t_pad, s_pad = -(-t_len // mult) * mult, -(-s_len // mult) * mult
-  angle_pos = _pad_to(jnp.asarray(q_positions).astype(jnp.float32).reshape(-1, t_len), t_pad, 1)
-  k_angle_pos = jnp.asarray(k_positions).astype(jnp.float32)
   qp = q_pos if is_causal else jnp.full(q_pos.shape, st.QUERY_SEES_ALL)
   qp = _pad_to(qp, t_pad, 1, st.QUERY_PAD)
   kp = k_pos.astype(jnp.float32)
@@ -282,8 +279,7 @@ def _position_operands(q_positions, k_positions, key_mask, segment_ids, *, batch
     pos, seg = (qp, kp), segs or (None, None)
     return st.visit_table(pos[rows], pos[cols], row_block, col_block, rows_are_queries=queries,
                           wgs=wgs, row_seg=seg[rows], col_seg=seg[cols])
-  return (angle_pos, k_angle_pos, qp, kp, segs,
-          tuple(visits(*kernel) for kernel in _resident_blocks(plan)))
+  return qp, kp, segs, tuple(visits(*kernel) for kernel in _resident_blocks(plan))
 
 
 # Concrete positions' angle tables up to this size (3 MiB at T = S = 4096, H = 64) are constants.
@@ -353,10 +349,15 @@ def _positions(q_positions, k_positions, freqs, k_freqs, key_mask, segment_ids, 
       raise ValueError(f"{name} must lie within ±2**24 for the pallas kernel (float32 "
                        f"in the kernel); got magnitude {largest}; use implementation='xla'")
   masks_traced = _is_traced((key_mask, segment_ids))
+  with jax.ensure_compile_time_eval() if not traced else contextlib.nullcontext():
+    # float32 query angle positions [1 or B, T_pad] and key positions [S] / [B, S] unpadded
+    angle_pos = _pad_to(jnp.asarray(q_positions).astype(jnp.float32).reshape(-1, t_len),
+                        -(-t_len // plan.blocks.seq_multiple) * plan.blocks.seq_multiple, 1)
+    k_angle_pos = jnp.asarray(k_positions).astype(jnp.float32)
   with (jax.ensure_compile_time_eval() if not (traced or masks_traced)
         else contextlib.nullcontext()):
-    angle_pos, k_angle_pos, qp, kp, segs, visits = _position_operands(
-        q_positions, k_positions, key_mask, segment_ids, **kw)
+    qp, kp, segs, visits = _position_operands(q_positions, k_positions, key_mask, segment_ids,
+                                              **kw)
   arrays = (angle_pos, k_angle_pos, freqs, k_freqs)
   table_kw = dict(query_tables=plan.inference.tables or plan.training.tables)
   tables = () if traced else jax.tree.leaves(jax.eval_shape(

@@ -239,3 +239,17 @@ def test_bad_masks_raise(change, match):
             k_positions=np.arange(7)) | change
   with plgpu.force_gpu_interpret_mode(), pytest.raises(ValueError, match=match):
     kernel.pope_attention(q, k, k, **kw)
+
+
+def test_traced_masks_match_concrete_ones():
+  # Under jit (masks from the data, as in training) the visit tables are computed in the call.
+  q, k, v, delta, _ = _problem(FAMILY, 50, 130, 5)
+  key_mask = jnp.arange(130)[None] >= jnp.array([[0], [70]])
+  seg = (jnp.arange(130)[None] // 45).astype(jnp.int32).repeat(2, 0)
+  masks = dict(key_mask=key_mask, q_segment_ids=seg[:, 80:], kv_segment_ids=seg)
+  call = lambda masks: kernel_attention(q, k, v, delta, is_causal=True, block_sizes=SMALL_BLOCKS,
+                                        **masks)
+  with plgpu.force_gpu_interpret_mode():
+    traced = jax.jit(call)(masks)
+    concrete = call(masks)
+  np.testing.assert_array_equal(np.asarray(traced, np.float32), np.asarray(concrete, np.float32))
