@@ -257,9 +257,9 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 def _position_operands(q_positions, k_positions, key_mask, segment_ids, *, batch: int,
                        t_len: int, s_len: int, is_causal: bool, plan: _Plan):
   """The kernels' masking operands: float32 positions with padding sentinels [B, T_pad],
-  [B, S_pad] (keys outside `key_mask` [B, S] bool, if given, are
-  padding too), float32 segment ids [B, T_pad], [B, S_pad] (padded with the last id) or None
-  from `segment_ids` (q [B, T], kv [B, S] int) or None, and per kernel its `st.visit_table`."""
+  [B, S_pad] (keys outside `key_mask` [B, S] bool, if given, are padding too), float32 segment
+  ids [B, T_pad], [B, S_pad] (padded with the last id) from `segment_ids` (q [B, T], kv [B, S]
+  int) or None, and per kernel its `st.visit_table`."""
   q_pos = jnp.broadcast_to(jnp.asarray(q_positions), (batch, t_len)).astype(jnp.float32)
   k_pos = jnp.broadcast_to(jnp.asarray(k_positions), (batch, s_len))
   mult = plan.blocks.seq_multiple
