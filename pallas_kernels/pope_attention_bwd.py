@@ -108,19 +108,19 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, se
   dtype, wgs = a.dtype, st.COMPUTE_WGS
   n_tiles = t_len // (wgs * bq)
   mapped = magnitude_scale is not None
-  seg = () if segments is None else ("seg",)  # (the segment ids' buffers, after the others)
+  seg = segments is not None
   resident = _tiles(wgs, bq, ("a", "do", "lse", "delta", "qpos"), d, vd, dtype)
   if mapped:  # [wg, 0] dq, [wg, 1] dφ: the same bytes as a's tile [wg]
     resident["a"] = plgpu.RefUnion(resident["a"], plgpu.SMEM(
         (wgs, 2, bq, h), dtype, transforms=st.tile_transforms(h)))
   streamed = _tiles(stages, bk, ("b", "v", "kpos"), d, vd, dtype)
-  copies = len(resident) + len(seg)
+  # The segment ids' buffers come after the others (the unsegmented kernel's layout stays).
+  seg_tiles = ([_tiles(wgs, bq, ("qseg",), d, vd, dtype)["qseg"],
+                _tiles(stages, bk, ("kseg",), d, vd, dtype)["kseg"]] if seg else [])
   scratch = [*resident.values(), *streamed.values(),
-             plgpu.Barrier(num_barriers=copies * wgs),
-             plgpu.Barrier(num_arrivals=len(streamed) + len(seg), num_barriers=stages),
-             plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-             *(_tiles(wgs, bq, ("qseg",), d, vd, dtype) | _tiles(stages, bk, ("kseg",), d, vd,
-                                                                   dtype) if seg else {}).values()]
+             plgpu.Barrier(num_barriers=(len(resident) + seg) * wgs),
+             plgpu.Barrier(num_arrivals=len(streamed) + seg, num_barriers=stages),
+             plgpu.Barrier(num_arrivals=wgs, num_barriers=stages), *seg_tiles]
 
   def pope_dq_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
                      tab_ref, sched_ref, *rest):
