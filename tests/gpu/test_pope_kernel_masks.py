@@ -2,15 +2,12 @@
 reference on a Hopper GPU, and its determinism: forward+backward repeated on the same inputs gives
 bitwise the same output and gradients, and never hangs."""
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.shapes import MASK_KINDS, AttentionShape, mask_inputs, random_inputs
-from pope_jax import attention
 from tests.pallas_kernels.entry import kernel_attention
 from tests.pallas_kernels.masks import reference
 

@@ -21,7 +21,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import _streaming
 from pallas_kernels import pope_attention as kernel
 from pallas_kernels.pope_attention_config import BlockSizes
-from pope_jax import attention, encodings, positions
+from pope_jax import attention, encodings
 from tests.pallas_kernels.entry import kernel_attention
 from tests.pallas_kernels.masks import reference
 
