@@ -30,6 +30,9 @@ CHECK_SHAPES = {
     "h64_gqa": _shape(2, 1000, 1000, 8, 2, 64, 64),
     "h128_gqa": _shape(2, 777, 777, 4, 1, 128, 128),
     "h64_decode": _shape(4, 7, 5000, 8, 2, 64, 64),
+    # Under an outer jit the Mosaic GPU interpreter made no progress in this one's backward
+    # with a per-head multiplier (forward alone, and without the outer jit, pass).
+    "h128_noncausal_short": _shape(1, 7, 300, 2, 1, 128, 128, is_causal=False),
 }
 
 
@@ -55,6 +58,7 @@ def _masked_call(shape, kind):
                                segment_ids=segments, multiplier=masks.get("multiplier")))
 
 
+@pytest.mark.timeout(600, method="thread")
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("name", CHECK_SHAPES)
 def test_masked_kernel_matches_reference(name, kind):
