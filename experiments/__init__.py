@@ -29,6 +29,7 @@ Kernel (`pallas_kernels`, GPU):
   bench_attention      — the fused Pallas PoPE attention kernel against the best XLA/cuDNN paths.
   trace_attention      — where the fused forward kernel spends its time, per warpgroup.
   bench_dq_reduce      — the float32 dq adds of a fused backward, timed alone.
+  bench_masked         — the fused kernel with padding, packing and multipliers against unmasked.
 LPES (`lpes_jax`):
   lpes_generate        — greedy generation with a Llama-family model (HF folder or GGUF).
   lpes_search          — Bézier-constrained genetic search of per-layer RoPE scales.

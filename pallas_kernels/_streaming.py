@@ -40,13 +40,16 @@ M_INIT = -1e30
 
 
 def visit_table(row_pos: jax.Array, col_pos: jax.Array, row_block: int, col_block: int, *,
-                rows_are_queries: bool, wgs: int = COMPUTE_WGS) -> jax.Array:
+                rows_are_queries: bool, wgs: int = COMPUTE_WGS, row_seg=None,
+                col_seg=None) -> jax.Array:
   """Per group of `wgs` resident tiles (an item) the streamed-step ranges of its warpgroups,
   [B, ceil(R / wgs), 2 + 4 * wgs] int32, a row [u_lo, u_hi, lo0, flo0, fhi0, hi0, lo1, ...],
   from the float32 positions row_pos [B, R * row_block] of the resident side (queries in the
   forward and dq, by `rows_are_queries`; keys in dk/dv) and col_pos [B, C * col_block] of the
-  streamed side. `wgs`: compute warpgroups per CTA; where R is not a multiple of it, the last
-  group has tiles past the rows, which visit nothing."""
+  streamed side, and optionally their float32 segment ids row_seg, col_seg of the same shapes
+  (a key is visible only in its query's segment: tiles whose id ranges do not meet are skipped,
+  and only tiles of a single common id are unmasked). `wgs`: compute warpgroups per CTA; where
+  R is not a multiple of it, the last group has tiles past the rows, which visit nothing."""
   b = row_pos.shape[0]
   rows = -(-row_pos.shape[1] // (wgs * row_block)) * wgs * row_block
   row_pos = jnp.pad(row_pos, ((0, 0), (0, rows - row_pos.shape[1])),
@@ -59,6 +62,13 @@ def visit_table(row_pos: jax.Array, col_pos: jax.Array, row_block: int, col_bloc
     any_vis, all_vis = cmin <= rmax, cmax <= rmin
   else:
     any_vis, all_vis = rmin <= cmax, rmax <= cmin
+  if row_seg is not None:  # the tiles' segment id ranges [lo, hi] must meet (all: one id)
+    row_seg = jnp.pad(row_seg, ((0, 0), (0, rows - row_seg.shape[1])), mode="edge")
+    rs, cs = row_seg.reshape(b, -1, row_block), col_seg.reshape(b, -1, col_block)
+    rs_lo, rs_hi = rs.min(-1)[:, :, None], rs.max(-1)[:, :, None]
+    cs_lo, cs_hi = cs.min(-1)[:, None, :], cs.max(-1)[:, None, :]
+    any_vis &= (rs_lo <= cs_hi) & (cs_lo <= rs_hi)
+    all_vis &= (rs_lo == rs_hi) & (cs_lo == cs_hi) & (rs_lo == cs_lo)
   n_cols = c.shape[1]
   idx = jnp.arange(n_cols, dtype=jnp.int32)[None, None, :]
   lo = jnp.where(any_vis, idx, n_cols).min(-1)
@@ -189,10 +199,15 @@ def compute_loops(ranges, origin, carry, step, stages: int, ready, consumed, ski
   return carry
 
 
-def causal_mask(scores, k_pos, q_pos, key_axis: int):
-  """`scores` where the key position (`k_pos`, along `key_axis`) is <= the query's, else -inf."""
-  visible = (broadcast(k_pos, scores.shape, key_axis)
-             <= broadcast(q_pos, scores.shape, 1 - key_axis))
+def causal_mask(scores, k_pos, q_pos, key_axis: int, k_seg=None, q_seg=None):
+  """`scores` where the key position (`k_pos`, along `key_axis`) is <= the query's and, given
+  segment ids `k_seg`, `q_seg` (laid out as the positions), the key's id equals the query's;
+  else -inf."""
+  key = lambda x: broadcast(x, scores.shape, key_axis)
+  query = lambda x: broadcast(x, scores.shape, 1 - key_axis)
+  visible = key(k_pos) <= query(q_pos)
+  if k_seg is not None:
+    visible &= key(k_seg) == query(q_seg)
   return jnp.where(visible, scores, float("-inf"))
 
 
@@ -234,14 +249,15 @@ def memory_warpgroup(for_items, tile_of, tab_ref, copies, stages: int, consumed,
 def stream_keys(for_items, tile_of, tab_ref, gmem, smem, group: int, block_kv: int,
                 stages: int, consumed, ready, registers: int = 40):
   """`memory_warpgroup` for resident queries (forward, dq): per step rows of `gmem` (b [B, S, K, D],
-  v [B, S, K, V], key positions [B, S]) into `smem`'s slots; `group` query heads per kv head."""
+  v [B, S, K, V], key positions [B, S], then optionally key segment ids [B, S]) into `smem`'s
+  slots; `group` query heads per kv head."""
   def copies(item, s):
     batch, head, _ = tile_of(item)
     kv_head = lax.div(head, jnp.int32(group))
     cols = pl.ds(s * block_kv, block_kv)
-    b_ref, v_ref, kpos_ref = gmem
+    b_ref, v_ref, *per_key = gmem
     return zip((b_ref.at[batch, cols, kv_head], v_ref.at[batch, cols, kv_head],
-                kpos_ref.at[batch, cols]), smem)
+                *(ref.at[batch, cols] for ref in per_key)), smem)
 
   memory_warpgroup(for_items, tile_of, tab_ref, copies, stages, consumed, ready, registers)
 

@@ -99,9 +99,15 @@ class _Plan:
   training: ForwardPlan   # the forward saving a for the backward
 
 
-def _plan(blocks: BlockSizes, h: int, value_dim: int, dtype) -> _Plan:
+def _plan(blocks: BlockSizes, h: int, value_dim: int, dtype, *, per_head_frequencies=False,
+          segments=False) -> _Plan:
+  """The schedule; per-head θ map the queries from their angles in the kernel (no tables)."""
   vd = -(-value_dim // 64) * 64
-  return _Plan(blocks, *(plan_forward(blocks, h, vd, dtype, save_a) for save_a in (False, True)))
+  def forward(save_a):
+    plan = plan_forward(blocks, h, vd, dtype, save_a)
+    return dataclasses.replace(plan, segments=segments,
+                               tables=plan.tables and not per_head_frequencies)
+  return _Plan(blocks, forward(False), forward(True))
 
 
 def _resident_blocks(plan: _Plan) -> tuple[tuple[int, int, bool, int], ...]:
@@ -121,9 +127,10 @@ def query_table(angle_pos, freqs):
 
 
 def key_table(k_positions, freqs):
-  """[cos sθ, sin sθ] [B or 1, S, 1, 2H] float32 (sθ one float32 product) from k_positions
-  [S] or [B, S] and freqs [H] float32 θ: the factor of `key_map`."""
+  """[cos sθ, sin sθ] [B or 1, S, 1 or K, 2H] float32 (sθ one float32 product) from k_positions
+  [S] or [B, S] and freqs [H] or per kv head [K, H] float32 θ: the factor of `key_map`."""
   pos = k_positions.astype(jnp.float32)
+  freqs = freqs.reshape(-1, freqs.shape[-1])                                        # [1|K, H]
   ang = (pos if pos.ndim == 2 else pos[None])[:, :, None, None] * freqs[None, None]
   return jnp.concatenate([jnp.cos(ang), jnp.sin(ang)], axis=-1)
 
@@ -168,13 +175,14 @@ def bounded_tiles(q, k, magnitude_scale: float, tile_rows: int) -> jax.Array:
 
 class _Operands(NamedTuple):
   """The kernels' operands that no gradient flows to (`_positions`, `_prepare`)."""
-  freqs: jax.Array      # [H] float32 θ
+  freqs: jax.Array      # [H] or per query head [N, H] float32 θ
   angle_pos: jax.Array  # [B or 1, T_pad] float32 query angle positions
   q_table: jax.Array | None  # `query_table`, where a forward reads it
   k_trig: jax.Array     # `key_table`
   q_pos: jax.Array      # [B, T_pad] float32 masking positions with padding sentinels
   k_pos: jax.Array      # [B, S_pad] likewise
   tables: tuple         # per kernel (forward, dq, dk/dv): its visit table and schedule
+  segments: tuple | None  # float32 segment ids (q [B, T_pad], k [B, S_pad]), or None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
@@ -196,7 +204,7 @@ def _forward(q, phase, k, v, o: _Operands, plan: ForwardPlan, magnitude_scale):
   else:  # θ, the phase and the angle positions
     rot, trig = (o.freqs, phase), o.angle_pos
   return b, pope_attention_fwd(q, rot, trig, b, v, o.q_pos, o.k_pos, *o.tables[0], bounded,
-                               plan=plan, magnitude_scale=magnitude_scale)
+                               o.segments, plan=plan, magnitude_scale=magnitude_scale)
 
 
 def _query_vjp_in_kernel(dtype) -> bool:
@@ -218,7 +226,7 @@ def _flash_bwd(plan, magnitude_scale, cartesian_map, key_len, res, d_out):
   d_out = d_out.astype(a.dtype)
   args = (a, b, v, d_out, lse, delta, o.q_pos, o.k_pos)
   # The dq kernel maps da to dq and each angle's gradient (summed into the phase's), or returns da.
-  dq_out = pope_attention_dq(*args, *o.tables[1], blocks=plan.blocks,
+  dq_out = pope_attention_dq(*args, *o.tables[1], o.segments, blocks=plan.blocks,
                              magnitude_scale=None if query else magnitude_scale)
   if not query:
     dq, d_angle = dq_out
@@ -232,7 +240,7 @@ def _flash_bwd(plan, magnitude_scale, cartesian_map, key_len, res, d_out):
       return (cartesian_map(q, ang, phase) * magnitude_scale).astype(q.dtype)
     _, map_vjp = jax.vjp(query_map, *query)
     dq, dphase = map_vjp(dq_out)
-  dk, dv = pope_attention_dkv(*args, *o.tables[2], blocks=plan.blocks)
+  dk, dv = pope_attention_dkv(*args, *o.tables[2], o.segments, blocks=plan.blocks)
   bsz, s_pad, kv_heads = b.shape[:3]
   group = a.shape[2] // kv_heads
   if group > 1:  # each GQA group's sum, in float32
@@ -246,24 +254,32 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("batch", "t_len", "s_len", "is_causal", "plan"))
-def _position_operands(q_positions, k_positions, *, batch: int, t_len: int, s_len: int,
-                       is_causal: bool, plan: _Plan):
-  """The kernels' position operands but the angle tables: float32 query angle positions
-  [1 or B, T_pad], key positions [S] / [B, S] unpadded (for `key_table`), masking positions with
-  padding sentinels [B, T_pad], [B, S_pad], and per kernel its `st.visit_table`."""
+def _position_operands(q_positions, k_positions, key_mask, segment_ids, *, batch: int,
+                       t_len: int, s_len: int, is_causal: bool, plan: _Plan):
+  """The kernels' masking operands: float32 positions with padding sentinels [B, T_pad],
+  [B, S_pad] (keys outside `key_mask` [B, S] bool, if given, are padding too), float32 segment
+  ids [B, T_pad], [B, S_pad] (padded with the last id) from `segment_ids` (q [B, T], kv [B, S]
+  int) or None, and per kernel its `st.visit_table`."""
   q_pos = jnp.broadcast_to(jnp.asarray(q_positions), (batch, t_len)).astype(jnp.float32)
   k_pos = jnp.broadcast_to(jnp.asarray(k_positions), (batch, s_len))
   mult = plan.blocks.seq_multiple
   t_pad, s_pad = -(-t_len // mult) * mult, -(-s_len // mult) * mult
-  angle_pos = _pad_to(jnp.asarray(q_positions).astype(jnp.float32).reshape(-1, t_len), t_pad, 1)
-  k_angle_pos = jnp.asarray(k_positions).astype(jnp.float32)
   qp = q_pos if is_causal else jnp.full(q_pos.shape, st.QUERY_SEES_ALL)
   qp = _pad_to(qp, t_pad, 1, st.QUERY_PAD)
-  kp = _pad_to(k_pos.astype(jnp.float32), s_pad, 1, st.KEY_PAD)
-  visits = tuple(st.visit_table(*((qp, kp) if queries else (kp, qp)), row_block, col_block,
-                                rows_are_queries=queries, wgs=wgs)
-                 for row_block, col_block, queries, wgs in _resident_blocks(plan))
-  return angle_pos, k_angle_pos, qp, kp, visits
+  kp = k_pos.astype(jnp.float32)
+  if key_mask is not None:
+    kp = jnp.where(key_mask, kp, st.KEY_PAD)
+  kp = _pad_to(kp, s_pad, 1, st.KEY_PAD)
+  segs = None
+  if segment_ids is not None:
+    segs = tuple(jnp.pad(x.astype(jnp.float32), ((0, 0), (0, n - x.shape[1])), mode="edge")
+                 for x, n in zip(segment_ids, (t_pad, s_pad)))
+  def visits(row_block, col_block, queries, wgs):
+    rows, cols = (0, 1) if queries else (1, 0)
+    pos, seg = (qp, kp), segs or (None, None)
+    return st.visit_table(pos[rows], pos[cols], row_block, col_block, rows_are_queries=queries,
+                          wgs=wgs, row_seg=seg[rows], col_seg=seg[cols])
+  return qp, kp, segs, tuple(visits(*kernel) for kernel in _resident_blocks(plan))
 
 
 # Concrete positions' angle tables up to this size (3 MiB at T = S = 4096, H = 64) are constants.
@@ -272,10 +288,10 @@ MAX_CONSTANT_TABLE_BYTES = 4 << 20
 MAX_POSITION = 2**24
 
 
-def _angle_tables(angle_pos, k_angle_pos, freqs, *, query_tables: bool):
-  """(`query_table` or None without `query_tables`, `key_table`) of the angle positions."""
+def _angle_tables(angle_pos, k_angle_pos, freqs, k_freqs, *, query_tables: bool):
+  """(`query_table` of θ `freqs` or None without `query_tables`, `key_table` of `k_freqs`)."""
   q_table = query_table(angle_pos, freqs) if query_tables else None
-  return q_table, jax.lax.stop_gradient(key_table(k_angle_pos, freqs))
+  return q_table, jax.lax.stop_gradient(key_table(k_angle_pos, k_freqs))
 
 
 @functools.lru_cache(maxsize=8)
@@ -294,7 +310,7 @@ def _prepare(q, k, v, delta, positions, *, is_causal, plan):
   bsz, t_len, n_heads, h = q.shape
   # δ on the query side as -δ (the same score as δ on the keys, Eq. 5).
   phase = jnp.zeros((n_heads, h), jnp.float32) if delta is None else -delta.astype(jnp.float32)
-  angle_pos, q_table, k_trig, qp, kp, visits = positions
+  angle_pos, q_table, k_trig, qp, kp, segs, visits = positions
   t_pad, s_pad = qp.shape[1], kp.shape[1]
   qr = _pad_to(q, t_pad, 1)
   vp = _pad_to(_pad_to(v, s_pad, 1), plan.inference.vd, 3)  # V to a multiple of 64 (`_plan`)
@@ -311,24 +327,38 @@ def _prepare(q, k, v, delta, positions, *, is_causal, plan):
 
   tables = tuple((visit, schedule(*kernel))
                  for visit, kernel in zip(visits, _resident_blocks(plan)))
-  return qr, phase, k, vp, angle_pos, q_table, k_trig, qp, kp, tables
+  return qr, phase, k, vp, angle_pos, q_table, k_trig, qp, kp, tables, segs
 
 
-def _positions(q_positions, k_positions, freqs, *, batch, t_len, s_len, is_causal, plan):
-  """`_position_operands` and `_angle_tables`, at trace time unless a position array is traced
-  (the angle tables up to MAX_CONSTANT_TABLE_BYTES; the query table where a forward reads it).
-  Raises ValueError for concrete positions of magnitude MAX_POSITION or more."""
+def _is_traced(x) -> bool:
+  return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x))
+
+
+def _positions(q_positions, k_positions, freqs, k_freqs, key_mask, segment_ids, *, batch, t_len,
+               s_len, is_causal, plan):
+  """`_position_operands` and `_angle_tables`, at trace time unless an array is traced (the
+  angle tables up to MAX_CONSTANT_TABLE_BYTES; the query table where a forward reads it).
+  Raises ValueError for concrete positions or segment ids of magnitude MAX_POSITION or more."""
   kw = dict(batch=batch, t_len=t_len, s_len=s_len, is_causal=is_causal, plan=plan)
-  traced = any(isinstance(p, jax.core.Tracer) for p in (q_positions, k_positions, freqs))
-  if not traced:
-    for name, pos in (("q_positions", q_positions), ("k_positions", k_positions)):
-      largest = int(np.abs(np.asarray(pos, np.int64)).max(initial=0))
-      if largest >= MAX_POSITION:
-        raise ValueError(f"{name} must lie within ±2**24 for the pallas kernel (float32 "
-                         f"positions); got |position| {largest}; use implementation='xla'")
+  traced = _is_traced((q_positions, k_positions, freqs, k_freqs))
+  named = (("q_positions", q_positions), ("k_positions", k_positions),
+           *zip(("q_segment_ids", "kv_segment_ids"), segment_ids or ()))
+  for name, pos in named:
+    largest = 0 if _is_traced(pos) else int(np.abs(np.asarray(pos, np.int64)).max(initial=0))
+    if largest >= MAX_POSITION:
+      raise ValueError(f"{name} must lie within ±2**24 for the pallas kernel (float32 "
+                       f"in the kernel); got magnitude {largest}; use implementation='xla'")
+  masks_traced = _is_traced((key_mask, segment_ids))
   with jax.ensure_compile_time_eval() if not traced else contextlib.nullcontext():
-    angle_pos, k_angle_pos, qp, kp, visits = _position_operands(q_positions, k_positions, **kw)
-  arrays = (angle_pos, k_angle_pos, freqs)
+    # float32 query angle positions [1 or B, T_pad] and key positions [S] / [B, S] unpadded
+    angle_pos = _pad_to(jnp.asarray(q_positions).astype(jnp.float32).reshape(-1, t_len),
+                        -(-t_len // plan.blocks.seq_multiple) * plan.blocks.seq_multiple, 1)
+    k_angle_pos = jnp.asarray(k_positions).astype(jnp.float32)
+  with (jax.ensure_compile_time_eval() if not (traced or masks_traced)
+        else contextlib.nullcontext()):
+    qp, kp, segs, visits = _position_operands(q_positions, k_positions, key_mask, segment_ids,
+                                              **kw)
+  arrays = (angle_pos, k_angle_pos, freqs, k_freqs)
   table_kw = dict(query_tables=plan.inference.tables or plan.training.tables)
   tables = () if traced else jax.tree.leaves(jax.eval_shape(
       functools.partial(_angle_tables, **table_kw), *arrays))
@@ -337,11 +367,33 @@ def _positions(q_positions, k_positions, freqs, *, batch, t_len, s_len, is_causa
     q_table, k_trig = _constant_angle_tables(keys, **table_kw)
   else:
     q_table, k_trig = _angle_tables(*arrays, **table_kw)
-  return angle_pos, q_table, k_trig, qp, kp, visits
+  return angle_pos, q_table, k_trig, qp, kp, segs, visits
+
+
+def _check_masks(q, k, frequencies, key_mask, q_segment_ids, kv_segment_ids) -> None:
+  """Raises ValueError naming the argument whose shape or dtype does not fit q [B, T, N, H] and
+  k [B, S, K, H]."""
+  (bsz, t_len, n_heads, h), s_len = q.shape, k.shape[1]
+  if jnp.shape(frequencies) not in ((h,), (n_heads, h)):
+    raise ValueError(f"frequencies must be [H] = [{h}] or per query head [N, H] = "
+                     f"[{n_heads}, {h}], got {jnp.shape(frequencies)}")
+  if key_mask is not None and (jnp.shape(key_mask) != (bsz, s_len)
+                               or jnp.result_type(key_mask) != jnp.bool_):
+    raise ValueError(f"key_mask must be bool [B, S] = [{bsz}, {s_len}], got "
+                     f"{jnp.result_type(key_mask)} {jnp.shape(key_mask)}")
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("q_segment_ids and kv_segment_ids are given together or not at all")
+  for name, ids, length in (("q_segment_ids", q_segment_ids, t_len),
+                            ("kv_segment_ids", kv_segment_ids, s_len)):
+    if ids is not None and (jnp.shape(ids) != (bsz, length)
+                            or not jnp.issubdtype(jnp.result_type(ids), jnp.integer)):
+      raise ValueError(f"{name} must be integer [B, {'T' if length == t_len else 'S'}] = "
+                       f"[{bsz}, {length}], got {jnp.result_type(ids)} {jnp.shape(ids)}")
 
 
 def pope_attention(q, k, v, delta=None, *, frequencies, q_positions, k_positions,
-                   is_causal: bool = False, scale: float | None = None,
+                   is_causal: bool = False, key_mask=None, q_segment_ids=None,
+                   kv_segment_ids=None, scale: float | None = None,
                    block_sizes: BlockSizes | None = None, cartesian_map=None):
   """Fused PoPE attention (PoPE Eq. 5/6), differentiable in q, k, v and δ; called by
   `pope_jax.pope_attention(implementation="pallas")` with checked positions.
@@ -351,34 +403,47 @@ def pope_attention(q, k, v, delta=None, *, frequencies, q_positions, k_positions
     k: [B, S, K, H] raw keys, same dtype; N % K == 0.
     v: [B, S, K, V] values, same dtype.
     delta: None or [N, H] float32 phase bias δ, already clamped to [-2π, 0].
-    frequencies: [H] float32 θ_c = base^(-c/H) (`pope_jax.encodings.pope_frequencies`).
+    frequencies: [H] float32 θ_c = base^(-c/H) (`pope_jax.encodings.pope_frequencies`), or
+      per query head [N, H] (θ_c times a head's multiplier); under GQA the keys of kv head j
+      take query head j·N/K's row (`pope_jax.encodings.kv_head_multiplier`).
     q_positions, k_positions: [T] / [S] or [B, T] / [B, S] integer positions; concrete ones (and
       `frequencies`) give trace-time constant tables (`_positions`), traced ones small XLA ops.
     is_causal: key s visible to query t iff k_pos[s] <= q_pos[t].
+    key_mask: None or [B, S] bool, False for keys no query sees (padding, left or right).
+    q_segment_ids, kv_segment_ids: None or [B, T] and [B, S] integer ids within ±2**24 (packed
+      documents): query t sees key s only where their ids are equal (and, causal, as above).
+      Tiles that no query can see are skipped; the two are given together.
     scale: logit scale, default 1/sqrt(H).
     block_sizes: tile sizes; default `default_block_sizes(H)`.
     cartesian_map: the reference map (x, angles, phase) -> [μ cos φ, μ sin φ] float32
       (`pope_jax.encodings.polar_to_cartesian`); needed only for float16 gradients.
 
   Returns:
-    [B, T, N, V] in q's dtype; zero rows where no key is visible.
+    [B, T, N, V] in q's dtype; zero rows where no key is visible (their gradients are zero).
 
   Raises:
     NotImplementedError: unsupported dtype, head dim, value dim or platform, or x64 on.
-    ValueError: q, k, v that do not agree, concrete positions of magnitude MAX_POSITION or
-      more, or `block_sizes` whose buffers do not fit in SMEM.
+    ValueError: q, k, v that do not agree; frequencies, key_mask or segment ids of the wrong
+      shape or dtype; concrete positions or segment ids of magnitude MAX_POSITION or more; or
+      `block_sizes` whose buffers do not fit in SMEM.
   """
   if reason := unsupported_reason(q, k, v):
     raise (ValueError if reason == _mismatch(q, k, v) else NotImplementedError)(reason)
   if reason := platform_reason():
     raise NotImplementedError(reason)
-  h = q.shape[-1]
+  _check_masks(q, k, frequencies, key_mask, q_segment_ids, kv_segment_ids)
+  h, n_heads, kv_heads = q.shape[-1], q.shape[2], k.shape[2]
+  per_head = jnp.ndim(frequencies) == 2
+  segment_ids = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
   plan = _plan(default_block_sizes(h) if block_sizes is None else block_sizes, h, v.shape[-1],
-               q.dtype)
+               q.dtype, per_head_frequencies=per_head, segments=segment_ids is not None)
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   s_len, t_len = k.shape[1], q.shape[1]
-  positions = _positions(q_positions, k_positions, frequencies, batch=q.shape[0], t_len=t_len,
-                         s_len=s_len, is_causal=is_causal, plan=plan)
+  # A GQA group's keys take the θ of its first query head.
+  k_freqs = frequencies[::n_heads // kv_heads] if per_head else frequencies
+  positions = _positions(q_positions, k_positions, frequencies, k_freqs, key_mask, segment_ids,
+                         batch=q.shape[0], t_len=t_len, s_len=s_len, is_causal=is_causal,
+                         plan=plan)
   qr, phase, kr, vp, *rest = _prepare(q, k, v, delta, positions, is_causal=is_causal, plan=plan)
   out = _flash(qr, phase, kr, vp, _Operands(frequencies, *rest), plan, scale * _LOG2E,
                cartesian_map, s_len)

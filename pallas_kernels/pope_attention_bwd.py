@@ -47,7 +47,8 @@ def cartesian_vjp(cart, d_cart, magnitude_scale: float):
 
 def _tiles(count: int, rows: int, names, d: int, vd: int, dtype) -> dict:
   """SMEM buffers of `count` tiles of `rows` rows by operand name, in the order of `names`:
-  a, b [rows, D] and do, v [rows, V] in `dtype`; lse, delta, qpos, kpos [rows] float32."""
+  a, b [rows, D] and do, v [rows, V] in `dtype`; lse, delta, qpos, kpos, qseg, kseg [rows]
+  float32."""
   widths = {"a": d, "b": d, "do": vd, "v": vd}
   return {n: plgpu.SMEM((count, rows, widths[n]), dtype, transforms=st.tile_transforms())
           if n in widths else plgpu.SMEM((count, rows), jnp.float32) for n in names}
@@ -69,8 +70,19 @@ def _fork(sched_ref, item_body, memory) -> None:
   pl.when(wg == st.COMPUTE_WGS)(lambda: memory(for_items))
 
 
+def _mask_rows(smem, names, index, axis: int):
+  """The positions and, where the kernel has them, segment ids of one tile: row vectors along
+  `axis` of smem[name].at[index] for each of `names` present in `smem` (`st.causal_mask`)."""
+  return tuple(st.row_vector(smem[n].at[index], axis) for n in names if n in smem)
+
+
+def _masked(scores, k_rows, q_rows, key_axis: int):
+  """`st.causal_mask` of scores by `_mask_rows`' (position, segment id) of keys and queries."""
+  return st.causal_mask(scores, k_rows[0], q_rows[0], key_axis, *k_rows[1:], *q_rows[1:])
+
+
 @functools.partial(jax.jit, static_argnames=('blocks', 'magnitude_scale'))
-def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
+def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, segments=None, *,
                       blocks: BlockSizes, magnitude_scale: float | None):
   """The queries' gradient from da = ln 2 · dS·b per query head.
 
@@ -80,6 +92,7 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
     lse, delta: [B, N, T] float32 (base-2 log-sum-exp; rowsum(dO ∘ O)).
     q_pos: [B, T], k_pos: [B, S] float32 positions with padding sentinels.
     table, schedule: `st.visit_table` and `st.launch_schedule` int32 (queries resident).
+    segments: None or the float32 segment ids (q [B, T], k [B, S]) the forward masked by.
     blocks: tile sizes; magnitude_scale: s, or None to return da (fp16: the caller maps it).
 
   Returns:
@@ -95,10 +108,27 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
   dtype, wgs = a.dtype, st.COMPUTE_WGS
   n_tiles = t_len // (wgs * bq)
   mapped = magnitude_scale is not None
+  seg = segments is not None
+  resident = _tiles(wgs, bq, ("a", "do", "lse", "delta", "qpos"), d, vd, dtype)
+  if mapped:  # [wg, 0] dq, [wg, 1] dφ: the same bytes as a's tile [wg]
+    resident["a"] = plgpu.RefUnion(resident["a"], plgpu.SMEM(
+        (wgs, 2, bq, h), dtype, transforms=st.tile_transforms(h)))
+  streamed = _tiles(stages, bk, ("b", "v", "kpos"), d, vd, dtype)
+  # The segment ids' buffers come after the others (the unsegmented kernel's layout stays).
+  seg_tiles = ([_tiles(wgs, bq, ("qseg",), d, vd, dtype)["qseg"],
+                _tiles(stages, bk, ("kseg",), d, vd, dtype)["kseg"]] if seg else [])
+  scratch = [*resident.values(), *streamed.values(),
+             plgpu.Barrier(num_barriers=(len(resident) + seg) * wgs),
+             plgpu.Barrier(num_arrivals=len(streamed) + seg, num_barriers=stages),
+             plgpu.Barrier(num_arrivals=wgs, num_barriers=stages), *seg_tiles]
 
   def pope_dq_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
-                     tab_ref, sched_ref, out_refs, a_smem, do_smem, lse_smem, delta_smem,
-                     qpos_smem, b_smem, v_smem, kpos_smem, res_bar, ready, consumed):
+                     tab_ref, sched_ref, *rest):
+    qseg_ref, kseg_ref = rest[:2] if seg else (None, None)
+    (out_refs, a_smem, do_smem, lse_smem, delta_smem, qpos_smem, b_smem, v_smem, kpos_smem,
+     res_bar, ready, consumed, *seg_smem) = rest[2:] if seg else rest
+    q_smem = {"qpos": qpos_smem} | ({"qseg": seg_smem[0]} if seg else {})
+    k_smem = {"kpos": kpos_smem} | ({"kseg": seg_smem[1]} if seg else {})
     # Mapped, a's tile stages dq and dφ once the VJP has read it (`stage`, wg's rows alike).
     a_smem, stage = a_smem if mapped else (a_smem, None)
     tile_of = lambda item: st.item_coords(item, n_heads, n_tiles, last_tile_first=True)
@@ -110,15 +140,18 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
                (lse_ref.at[batch, head, rows], lse_smem),
                (delta_ref.at[batch, head, rows], delta_smem),
                (qpos_ref.at[batch, rows], qpos_smem))
+      if seg:
+        loads += ((qseg_ref.at[batch, rows], q_smem["qseg"]),)
       st.load_resident(loads, wg, res_bar)
-      lse, dlt, qpos = (st.row_vector(x.at[wg], 0) for x in (lse_smem, delta_smem, qpos_smem))
+      lse, dlt = (st.row_vector(x.at[wg], 0) for x in (lse_smem, delta_smem))
+      q_rows = _mask_rows(q_smem, ("qpos", "qseg"), wg, 0)
       ranges = st.read_ranges(tab_ref, batch, tile, wg)
       origin = ranges[0] - base  # this item's first step is the ring's step `base`
 
       def step(slot, dq_acc, mode):
         def probs(s_blk):
           if mode == "masked":
-            s_blk = st.causal_mask(s_blk, st.row_vector(kpos_smem.at[slot], 1), qpos, 1)
+            s_blk = _masked(s_blk, _mask_rows(k_smem, ("kpos", "kseg"), slot, 1), q_rows, 1)
           return jnp.exp2(s_blk - st.broadcast(lse, (bq, bk), 0))
 
         _, (dq_acc,) = ops.gradient_step(
@@ -146,29 +179,21 @@ def pope_attention_dq(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
       return base + ranges[1] - ranges[0]
 
     _fork(sched_ref, item_body, lambda for_items: st.stream_keys(
-        for_items, tile_of, tab_ref, (b_ref, v_ref, kpos_ref), (b_smem, v_smem, kpos_smem),
-        group, bk, stages, consumed, ready))
+        for_items, tile_of, tab_ref, (b_ref, v_ref, kpos_ref, *([kseg_ref] if seg else [])),
+        (b_smem, v_smem, *k_smem.values()), group, bk, stages, consumed, ready))
 
-  resident = _tiles(wgs, bq, ("a", "do", "lse", "delta", "qpos"), d, vd, dtype)
-  if mapped:  # [wg, 0] dq, [wg, 1] dφ: the same bytes as a's tile [wg]
-    resident["a"] = plgpu.RefUnion(resident["a"], plgpu.SMEM(
-        (wgs, 2, bq, h), dtype, transforms=st.tile_transforms(h)))
-  streamed = _tiles(stages, bk, ("b", "v", "kpos"), d, vd, dtype)
-  scratch = [*resident.values(), *streamed.values(), plgpu.Barrier(num_barriers=5 * wgs),
-             plgpu.Barrier(num_arrivals=3, num_barriers=stages),
-             plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)]
   st.check_smem(scratch, "dq", f"lower BlockSizes.stages ({stages}), block_q_dq ({bq}) or "
                 f"block_kv_dq ({bk})")
   grad = jax.ShapeDtypeStruct((bsz, t_len, n_heads, h), dtype)
   out_type = {"dq": grad, "d_angle": grad} if mapped else {"da": jax.ShapeDtypeStruct(
       a.shape, dtype)}
   out = st.launch(pope_dq_kernel, out_type, scratch, ctas=schedule.shape[0], compute_wgs=wgs)(
-      a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
+      a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *(segments or ()))
   return (out["dq"], out["d_angle"]) if mapped else out["da"]
 
 
 @functools.partial(jax.jit, static_argnames=('blocks',))
-def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *,
+def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, segments=None, *,
                        blocks: BlockSizes):
   """Per query head, the raw keys' gradient dk (db = ln 2 · dSᵀ·a through the key map's VJP,
   s = 1) and dv = Pᵀ·dO; the caller sums a GQA group.
@@ -194,9 +219,11 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
   dtype, wgs = a.dtype, st.COMPUTE_WGS
   n_tiles = s_len // (bk if roles else wgs * bk)
   resident, streamed = ("b", "kpos", "v"), ("a", "do", "lse", "qpos", "delta")
+  if segments is not None:
+    resident, streamed = resident + ("kseg",), streamed + ("qseg",)
 
   def scratch_types(dk_in_v: bool):
-    res_types = _tiles(wgs, bk, ("b", "v", "kpos"), d, vd, dtype)
+    res_types = _tiles(wgs, bk, ("b", "v", "kpos") + resident[3:], d, vd, dtype)
     if not dk_in_v:
       res_types["dk"] = plgpu.SMEM((wgs, bk, h), dtype, transforms=st.tile_transforms(h))
     if roles:  # dS handed from warpgroup 0 to 1, per ring slot
@@ -212,8 +239,10 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
   scratch = scratch_types(dk_in_v)
 
   def pope_dkv_kernel(a_ref, b_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
-                      tab_ref, sched_ref, out_refs, smem, str_smem, res_bar, ready, consumed,
-                      *handed):
+                      tab_ref, sched_ref, *rest):
+    qseg_ref, kseg_ref = rest[:2] if segments is not None else (None, None)
+    out_refs, smem, str_smem, res_bar, ready, consumed, *handed = (
+        rest if segments is None else rest[2:])
     a_smem, do_smem = str_smem["a"], str_smem["do"]
 
     def tile_of(item):
@@ -221,11 +250,12 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
       batch, head, rank = st.item_coords(item, n_heads, n_tiles, last_tile_first=False)
       return batch, head, lax.div(head, jnp.int32(group)), rank
 
-    def gradient_step(wg, kpos, slot, mode, p_terms, ds_terms, ds_to=None):
-      """`ops.gradient_step` of wg's resident keys (positions `kpos`) and the slot's queries."""
+    def gradient_step(wg, k_rows, slot, mode, p_terms, ds_terms, ds_to=None):
+      """`ops.gradient_step` of wg's resident keys (`_mask_rows` `k_rows`) and the slot's
+      queries."""
       def probs(s_t):
         if mode == "masked":
-          s_t = st.causal_mask(s_t, kpos, st.row_vector(str_smem["qpos"].at[slot], 1), 0)
+          s_t = _masked(s_t, k_rows, _mask_rows(str_smem, ("qpos", "qseg"), slot, 1), 0)
         lse = st.row_vector(str_smem["lse"].at[slot], 1)
         return jnp.exp2(s_t - st.broadcast(lse, (bk, bq), 1))
 
@@ -260,8 +290,10 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
       cols = pl.ds((tile * wgs + wg) * bk, bk)
       src = {"b": b_ref.at[batch, cols, kv_head], "v": v_ref.at[batch, cols, kv_head],
              "kpos": kpos_ref.at[batch, cols]}
+      if kseg_ref is not None:
+        src["kseg"] = kseg_ref.at[batch, cols]
       st.load_resident([(src[name], smem[name]) for name in resident], wg, res_bar)
-      kpos = st.row_vector(smem["kpos"].at[wg], 0)
+      kpos = _mask_rows(smem, ("kpos", "kseg"), wg, 0)
       ranges = st.read_ranges(tab_ref, batch, tile, wg)
       origin = ranges[0] - base  # this item's first step is the ring's step `base`
 
@@ -287,8 +319,10 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
       def _scores_and_dv():
         st.load_resident([(b_ref.at[batch, cols, kv_head], smem["b"]),
                           (v_ref.at[batch, cols, kv_head], smem["v"]),
-                          (kpos_ref.at[batch, cols], smem["kpos"])], 0, res_bar)
-        kpos = st.row_vector(smem["kpos"].at[0], 0)
+                          (kpos_ref.at[batch, cols], smem["kpos"]),
+                          *([(kseg_ref.at[batch, cols], smem["kseg"])] if kseg_ref is not None else [])],
+                         0, res_bar)
+        kpos = _mask_rows(smem, ("kpos", "kseg"), 0, 0)
 
         def step(slot, dv, mode):
           def hand_over(ds):
@@ -322,6 +356,8 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
       src = {"a": a_ref.at[batch, rows, head], "do": do_ref.at[batch, rows, head],
              "lse": lse_ref.at[batch, head, rows], "delta": delta_ref.at[batch, head, rows],
              "qpos": qpos_ref.at[batch, rows]}
+      if qseg_ref is not None:
+        src["qseg"] = qseg_ref.at[batch, rows]
       return tuple((src[n], str_smem[n]) for n in streamed)
 
     _fork(sched_ref, roles_item_body if roles else item_body,
@@ -333,5 +369,5 @@ def pope_attention_dkv(a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *
   out_type = {"dk": jax.ShapeDtypeStruct((bsz, s_len, n_heads, h), dtype),
               "dv": jax.ShapeDtypeStruct((bsz, s_len, n_heads, vd), dtype)}
   out = st.launch(pope_dkv_kernel, out_type, scratch, ctas=schedule.shape[0], compute_wgs=wgs)(
-      a, b, v, do, lse, delta, q_pos, k_pos, table, schedule)
+      a, b, v, do, lse, delta, q_pos, k_pos, table, schedule, *(segments or ()))
   return out["dk"], out["dv"]

@@ -77,6 +77,7 @@ class ForwardPlan:
   tables: bool         # the query map reads float16 cos, sin tables of pos·θ (half the SFU work)
   save_a: bool         # also returns a for the backward
   bounded: bool        # bf16 `bounded_softmax` (fp16's P would overflow above 2**16)
+  segments: bool = False  # masks by segment ids too (packed documents)
 
   @property
   def tile_rows(self) -> int:
@@ -125,14 +126,17 @@ def _scratch(p: ForwardPlan) -> dict:
       "v_smem": plgpu.SMEM((stages, bk, vd), dtype, transforms=tf),
       "kpos_smem": plgpu.SMEM((stages, bk), jnp.float32),
       "q_bar": plgpu.Barrier(num_arrivals=3 + len(trig), num_barriers=wgs),
-      "qpos_bar": plgpu.Barrier(num_barriers=wgs),
-      "ready": plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+      "qpos_bar": plgpu.Barrier(num_arrivals=1 + p.segments, num_barriers=wgs),
+      "ready": plgpu.Barrier(num_arrivals=3 + p.segments, num_barriers=stages),
       "consumed": plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
       # the ping-pong handshake (with three warpgroups unused, as in the tuned programs)
       "handshake_bar": (plgpu.Barrier(num_arrivals=wgs) if wgs == 2
                         else plgpu.Barrier(num_barriers=wgs)),
       "q_smem": plgpu.SMEM((wgs, bq, h), dtype, transforms=st.tile_transforms(h)),
   }
+  if p.segments:  # the query and key segment ids, beside their positions
+    scratch |= {"qseg_smem": plgpu.SMEM((wgs, bq), jnp.float32),
+                "kseg_smem": plgpu.SMEM((stages, bk), jnp.float32)}
   if p.blocks.row_sum_mma:
     scratch["ones_smem"] = plgpu.SMEM((wgs, bk, ROW_SUM_COLS), dtype,
                                       transforms=st.tile_transforms(ROW_SUM_COLS))
@@ -140,21 +144,23 @@ def _scratch(p: ForwardPlan) -> dict:
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "magnitude_scale"))
-def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounded, *,
-                       plan: ForwardPlan, magnitude_scale: float):
+def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounded,
+                       segments=None, *, plan: ForwardPlan, magnitude_scale: float):
   """Runs the forward kernel.
 
   Args:
     q: [B, T, N, H] bf16/fp16 raw queries (before softplus).
     rot, trig: with `plan.tables` (cos -δ, sin -δ) [N, H] and the query table (cos, sin of
-      pos·θ [2, B or 1, T, H], `pope_attention.query_table`), else (θ [H], -δ [N, H]) and the
-      query angles' positions [B or 1, T] float32.
+      pos·θ [2, B or 1, T, H], `pope_attention.query_table`), else (θ [H] or per head [N, H],
+      -δ [N, H]) and the query angles' positions [B or 1, T] float32.
     b: [B, S, K, D] Cartesian keys, same dtype, D = 2H; v: [B, S, K, V] values, same dtype.
     q_pos: [B, T], k_pos: [B, S] float32 positions (padding: st.QUERY_PAD, st.KEY_PAD).
     table, schedule: [B, ceil(T / (W block_q)), 2 + 4 W] `st.visit_table`, the CTAs' items
       (`st.launch_schedule`, queries resident), int32.
     bounded: with `plan.bounded`, [B, N, ceil(T / (W block_q))] int32, 1 where every score of
       the tile is within ±BOUNDED_SCORE_LIMIT (`pope_attention.bounded_tiles`); else None.
+    segments: with `plan.segments`, the float32 segment ids (q [B, T], k [B, S]): a key is
+      visible only to queries of its id; else None.
     plan: `plan_forward`'s; magnitude_scale: the logit scale times log2 e.
 
   Returns:
@@ -166,9 +172,11 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
   """
   bsz, t_len, n_heads, h = q.shape
   vd = v.shape[-1]
-  if trig.ndim != (4 if plan.tables else 2) or (bounded is not None) != plan.bounded:
-    raise ValueError(f"trig {trig.shape} and bounded flags ({bounded is not None}) must match "
-                     f"the plan's tables ({plan.tables}) and bounded ({plan.bounded})")
+  if (trig.ndim != (4 if plan.tables else 2) or (bounded is not None) != plan.bounded
+      or (segments is not None) != plan.segments):
+    raise ValueError(f"trig {trig.shape}, bounded flags ({bounded is not None}) and segment ids "
+                     f"({segments is not None}) must match the plan's tables ({plan.tables}), "
+                     f"bounded ({plan.bounded}) and segments ({plan.segments})")
   kernel = _ForwardKernel(plan, q, rot, trig, v, magnitude_scale)
   st.check_smem(kernel.scratch, "forward", f"at {plan.stages} stages lower BlockSizes.stages, "
                 "block_kv or block_q" + (", or set forward_warpgroups 2 (or None)"
@@ -179,7 +187,8 @@ def pope_attention_fwd(q, rot, trig, b, v, q_pos, k_pos, table, schedule, bounde
     out_type += (jax.ShapeDtypeStruct((bsz, t_len, n_heads, 2 * h), q.dtype),)
   return st.launch(kernel.pope_fwd_kernel, out_type, tuple(kernel.scratch.values()),
                    ctas=schedule.shape[0], compute_wgs=plan.warpgroups)(
-      q, *rot, trig, b, v, q_pos, k_pos, table, schedule, *([] if bounded is None else [bounded]))
+      q, *rot, trig, b, v, q_pos, k_pos, table, schedule, *([] if bounded is None else [bounded]),
+      *(segments or ()))
 
 
 class _ForwardKernel:
@@ -214,18 +223,22 @@ class _ForwardKernel:
     """The kernel: names the refs (the scratch as `_scratch` does) and forks the warpgroups."""
     rest = list(rest)
     bnd_ref = rest.pop(0) if self.plan.bounded else None
+    qseg_ref, kseg_ref = (rest.pop(0), rest.pop(0)) if self.plan.segments else (None, None)
     o_ref, lse_ref = rest.pop(0), rest.pop(0)
     a_ref = rest.pop(0) if self.plan.save_a else None
-    smem = {"a_smem": None, "ones_smem": None} | dict(zip(self.scratch, rest))
+    smem = ({"a_smem": None, "ones_smem": None, "qseg_smem": None, "kseg_smem": None}
+            | dict(zip(self.scratch, rest)))
     self.refs = r = types.SimpleNamespace(
-        q=q_ref, rot=(rot0_ref, rot1_ref), trig=trig_ref, qpos=qpos_ref, tab=tab_ref,
-        sched=sched_ref, bnd=bnd_ref, o=o_ref, lse=lse_ref, a=a_ref, **smem)
+        q=q_ref, rot=(rot0_ref, rot1_ref), trig=trig_ref, qpos=qpos_ref, qseg=qseg_ref,
+        tab=tab_ref, sched=sched_ref, bnd=bnd_ref, o=o_ref, lse=lse_ref, a=a_ref, **smem)
+    per_key = ((kpos_ref, r.kpos_smem),) + (((kseg_ref, r.kseg_smem),) if self.plan.segments
+                                             else ())
     wg = lax.axis_index("wg")
     pl.when(wg < self.wgs)(lambda: self._compute(wg))
     pl.when(wg == self.wgs)(lambda: st.stream_keys(
-        st.for_each_item(sched_ref), self.tile_of, tab_ref, (b_ref, v_ref, kpos_ref),
-        (r.b_smem, r.v_smem, r.kpos_smem), self.group, self.bk, self.plan.stages, r.consumed,
-        r.ready, self.memory_registers))
+        st.for_each_item(sched_ref), self.tile_of, tab_ref,
+        (b_ref, v_ref, *(g for g, _ in per_key)), (r.b_smem, r.v_smem, *(s for _, s in per_key)),
+        self.group, self.bk, self.plan.stages, r.consumed, r.ready, self.memory_registers))
 
   def handshake(self):
     """One handshake of the two compute warpgroups' ping-pong (FlashAttention-3 §3.1): each
@@ -261,6 +274,8 @@ class _ForwardKernel:
       src = r.trig.at[i, trig_batch, rows] if self.plan.tables else r.trig.at[trig_batch, rows]
       plgpu.copy_gmem_to_smem(src, buf.at[wg], r.q_bar.at[wg])
     plgpu.copy_gmem_to_smem(r.qpos.at[batch, rows], r.qpos_smem.at[wg], r.qpos_bar.at[wg])
+    if r.qseg is not None:
+      plgpu.copy_gmem_to_smem(r.qseg.at[batch, rows], r.qseg_smem.at[wg], r.qpos_bar.at[wg])
 
   def is_bounded(self, j):
     """Whether item j of this CTA takes the bounded softmax (the flag of its tile)."""
@@ -320,7 +335,10 @@ class _ForwardKernel:
           lambda: pl.when(wg == 1)(self.handshake))
     a, halves = self._map_queries(wg)
     plgpu.barrier_wait(r.qpos_bar.at[wg])
-    qpos = st.row_vector(r.qpos_smem.at[wg], 0)
+    # The query tile's positions and, with segments, its segment ids (`_softmax`'s mask).
+    qpos = (st.row_vector(r.qpos_smem.at[wg], 0),)
+    if r.qseg_smem is not None:
+      qpos += (st.row_vector(r.qseg_smem.at[wg], 0),)
     self._stage_a(a, halves, j, wg, batch, head, rows, live)
     ranges = st.read_ranges(r.tab, batch, tile, wg)
     origin = ranges[0] - base
@@ -384,7 +402,9 @@ class _ForwardKernel:
     row_sums_here = self.refs.ones_smem is None
     with jax.named_scope("softmax"):
       if mode == "masked":
-        s_blk = st.causal_mask(s_blk, st.row_vector(self.refs.kpos_smem.at[slot], 1), qpos, 1)
+        keys = (self.refs.kpos_smem,) + ((self.refs.kseg_smem,) if len(qpos) > 1 else ())
+        k_pos, *k_seg = (st.row_vector(x.at[slot], 1) for x in keys)
+        s_blk = st.causal_mask(s_blk, k_pos, qpos[0], 1, *k_seg, *qpos[1:])
       if bounded:
         p = jnp.exp2(s_blk)
         if row_sums_here:

@@ -84,3 +84,31 @@ def random_inputs(shape: AttentionShape, dtype=jnp.bfloat16, seed: int = 0):
   if shape.input_scale != 1.0:
     q, k = ((x.astype(jnp.float32) * shape.input_scale).astype(dtype) for x in (q, k))
   return q, k, v, delta
+
+
+# Masked calls of one shape, shared by the GPU checks and experiments.bench_masked.
+MASK_KINDS = ("right_padding", "left_padding", "packed", "multiplier")
+
+
+def mask_inputs(shape: AttentionShape, kind: str, seed: int = 0) -> dict:
+  """The masking keywords of one masked call of `shape` (`MASK_KINDS`), from
+  `jax.random.key(seed)`: "right_padding" / "left_padding" a key_mask [B, S] bool of ragged
+  lengths in [S/2, S] per row; "packed" q_segment_ids [B, T], kv_segment_ids [B, S] int32 of four
+  documents per row at random boundaries (the queries the last T keys); "multiplier" a per-head
+  frequency multiplier [N] float32 in [0.25, 1], one value per GQA group."""
+  b, t_len, s_len = shape.batch, shape.q_len, shape.k_len
+  key = jax.random.key(seed)
+  if kind in ("right_padding", "left_padding"):
+    lengths = jax.random.randint(key, (b, 1), s_len // 2, s_len + 1)
+    idx = jnp.arange(s_len)[None]
+    return {"key_mask": idx < lengths if kind == "right_padding" else idx >= s_len - lengths}
+  if kind == "packed":
+    starts = jnp.sort(jax.random.randint(key, (b, 3), 1, s_len), axis=1)          # [B, 3]
+    k_seg = (jnp.arange(s_len)[None, :, None] >= starts[:, None, :]).sum(-1).astype(jnp.int32)
+    return {"q_segment_ids": k_seg[:, s_len - t_len:] if t_len <= s_len
+            else jnp.zeros((b, t_len), jnp.int32), "kv_segment_ids": k_seg}
+  if kind == "multiplier":
+    groups = shape.num_kv_heads
+    per_group = jax.random.uniform(key, (groups,), jnp.float32, 0.25, 1.0)
+    return {"multiplier": jnp.repeat(per_group, shape.num_heads // groups)}
+  raise ValueError(f"kind must be one of {MASK_KINDS}, got {kind!r}")

@@ -10,10 +10,13 @@ rather than on the GPU. They do not run ptxas or the kernels (tests/gpu/ does, o
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax._src.pallas.mosaic_gpu import lowering
 
 from pallas_kernels import _streaming
 from pallas_kernels import pope_attention as kernel
@@ -90,3 +93,53 @@ def test_float16_lowers_for_cuda(gpu_paths, h):
   text = _lowered_text(h, h, 2, 2, {}, dtype=jnp.float16)
   for name in KERNELS:
     assert name in text, name
+
+
+_LOWER = lowering.lower_unpipelined_jaxpr_to_module
+
+
+def _kernel_modules(monkeypatch, h, change=None, n=2, kh=1, **masks):
+  """The Mosaic GPU modules (forward, dq, dk/dv) of one forward+backward, as text without
+  debug locations, lowered for CUDA; `masks` are the kernel's key_mask, segment-id and
+  frequency arguments (a key is given per batch row of 2, 300 keys; queries 200)."""
+  modules = []
+  def capture(*args, **kw):
+    result = _LOWER(*args, **kw)
+    text = result.module.operation.get_asm(enable_debug_info=False)
+    modules.append(re.sub(r'dump_basename = "\w+"', "", text))  # (a per-process counter)
+    return result
+  monkeypatch.setattr(lowering, "lower_unpipelined_jaxpr_to_module", capture)
+  blocks = dataclasses.replace(default_block_sizes(h), **(change or {}))
+  q = jax.ShapeDtypeStruct((2, 200, n, h), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((2, 300, kh, h), jnp.bfloat16)
+  delta = jax.ShapeDtypeStruct((n, h), jnp.float32)
+
+  def loss(q, k, v, delta):
+    out = kernel_attention(q, k, v, delta, is_causal=True, block_sizes=blocks, **masks)
+    return out.astype(jnp.float32).sum()
+
+  jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, k, delta).lower(
+      lowering_platforms=("cuda",))
+  assert len(modules) == 3
+  return modules
+
+
+SEGMENTS = dict(q_segment_ids=np.repeat(np.arange(200)[None] // 50, 2, 0).astype(np.int32),
+                kv_segment_ids=np.repeat(np.arange(300)[None] // 50, 2, 0).astype(np.int32))
+
+
+@pytest.mark.parametrize("h, change", [
+    (64, {}),
+    pytest.param(128, {}, marks=pytest.mark.slow),  # (about 100 s each on one core)
+    pytest.param(64, {"dkv_roles": True}, marks=pytest.mark.slow),
+    pytest.param(64, {"forward_warpgroups": 2}, marks=pytest.mark.slow)])
+def test_masks_lower_for_cuda(gpu_paths, monkeypatch, h, change):
+  # Segment ids add loads and compares to all three kernels; per-head θ maps the queries from
+  # their angles (no tables); a key mask is only operands: the kernels are the unmasked ones.
+  plain = _kernel_modules(monkeypatch, h, change)
+  key_mask = np.arange(300)[None] >= np.array([[0], [37]])
+  assert _kernel_modules(monkeypatch, h, change, key_mask=key_mask) == plain
+  segmented = _kernel_modules(monkeypatch, h, change, key_mask=key_mask, **SEGMENTS)
+  assert all(a != b for a, b in zip(segmented, plain))
+  per_head = _kernel_modules(monkeypatch, h, change, n=2, kh=2, multiplier=np.array([1.0, 0.5]))
+  assert per_head[1:] == _kernel_modules(monkeypatch, h, change, n=2, kh=2)[1:]
