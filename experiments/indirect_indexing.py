@@ -18,6 +18,7 @@ import dataclasses
 from pathlib import Path
 
 from experiments import common
+from pope_jax.attention import IMPLEMENTATIONS
 from pope_jax.tasks import indirect_indexing as ii
 
 
@@ -42,8 +43,8 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--dtype", help="compute dtype: float32 or bfloat16 (or an alias such as "
                                       "bf16); params stay float32 (default: the preset's)")
   common.add_init_std_flag(parser)
-  parser.add_argument("--attention-implementation", choices=["xla", "pallas"],
-                      help="PoPE attention implementation (default: best available)")
+  parser.add_argument("--attention-implementation", choices=IMPLEMENTATIONS,
+                      help="attention implementation of every layer (default: best available)")
   parser.add_argument("--out", type=Path, default=Path("runs/indirect_indexing"),
                       help="run folder: one subfolder per encoding, results")
   parser.add_argument("--resume", action="store_true",

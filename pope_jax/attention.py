@@ -243,15 +243,18 @@ def _pope_pallas(q, k, v, delta, *, base, masking, scale, multiplier, block_size
     qc, kc = _pope_cartesian_qk(q, k, delta, base=base, masking=masking, multiplier=multiplier)
     return _decode_pallas(qc.astype(q.dtype), kc.astype(k.dtype), v, scale=scale,
                           masking=masking)
-  del multiplier  # None: `_pope_why_not` refuses it, and key_mask and segment ids.
   from pallas_kernels import pope_attention as kernel  # Lazy: GPU-only dependency chain.
   with jax.ensure_compile_time_eval():  # concrete θ: the kernel's tables stay trace-time constants
     freqs = encodings.pope_frequencies(q.shape[-1], base)
+    if multiplier is not None:       # θ·multiplier: [H], or [N, H] per query head
+      m = jnp.asarray(multiplier, jnp.float32)
+      freqs = freqs * m if m.ndim == 0 else m[:, None] * freqs
   return kernel.pope_attention(
       q, k, v, None if delta is None else encodings.clamp_phase_bias(delta), frequencies=freqs,
       is_causal=masking.is_causal, q_positions=masking.q_positions,
-      k_positions=masking.k_positions, scale=scale, block_sizes=block_sizes,
-      cartesian_map=encodings.polar_to_cartesian)
+      k_positions=masking.k_positions, key_mask=masking.key_mask,
+      q_segment_ids=masking.q_segment_ids, kv_segment_ids=masking.kv_segment_ids, scale=scale,
+      block_sizes=block_sizes, cartesian_map=encodings.polar_to_cartesian)
 
 
 # `jax.nn.dot_product_attention` backend of implementation="cudnn" (tests swap in "xla" on CPU).
@@ -385,8 +388,7 @@ def _mapped_shape(x: Array, width: int) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(x.shape[:-1] + (width,), x.dtype)
 
 
-def _pope_why_not(implementation, q, k, v, *, multiplier, key_mask, segment_ids,
-                  dropout_rate=0.0) -> str | None:
+def _pope_why_not(implementation, q, k, v, *, segment_ids, dropout_rate=0.0) -> str | None:
   """Why PoPE `implementation` cannot run these inputs here, or None if it can."""
   if implementation != "xla" and dropout_rate > 0.0:
     return _DROPOUT_XLA_ONLY
@@ -398,9 +400,6 @@ def _pope_why_not(implementation, q, k, v, *, multiplier, key_mask, segment_ids,
     h2 = 2 * q.shape[-1]
     return _decode_why_not("pallas", _mapped_shape(q, h2), _mapped_shape(k, h2), v)
   if implementation == "pallas":
-    if multiplier is not None or key_mask is not None or segment_ids:
-      return ("the pallas kernel takes no frequency multiplier, key_mask or segment ids yet; "
-              "use implementation='cudnn' or 'xla'")
     from pallas_kernels import pope_attention as kernel  # Lazy: GPU-only dependency chain.
     return kernel.unsupported_reason(q, k, v) or kernel.platform_reason()
   return None
@@ -515,7 +514,6 @@ def pope_attention(
   _check_block_sizes(block_sizes, implementation)
   _check_dropout(dropout_rate, dropout_rng)
   implementation = _choose("pope_attention", implementation, _pope_why_not, query, key, value,
-                           multiplier=multiplier, key_mask=key_mask,
                            segment_ids=q_segment_ids is not None or kv_segment_ids is not None,
                            dropout_rate=dropout_rate)
   masking = _masking(query, key, is_causal=is_causal, q_positions=q_positions,

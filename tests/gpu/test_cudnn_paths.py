@@ -108,5 +108,5 @@ def test_rope_cudnn_sliding_window_and_value_width():
 def test_pope_default_picks_a_fused_path_on_this_gpu():
   q, k, v, delta = _inputs(1, 128, 128, 2, 2, 64, 64, jnp.bfloat16)
   picked = attention._choose("pope_attention", None, attention._pope_why_not, q, k, v,
-                             multiplier=0.5, key_mask=None, segment_ids=False)
-  assert picked == "cudnn"                           # the kernel takes no multiplier yet
+                             segment_ids=False)
+  assert picked == "pallas"                          # Hopper: the fused kernel

@@ -59,10 +59,10 @@ def test_default_implementation_is_the_kernel_for_decoding():
   q = jnp.zeros((1, 1, 12, 64), jnp.bfloat16)
   k = jnp.zeros((1, 8192, 12, 64), jnp.bfloat16)
   assert attention._choose("decode_attention", None, attention._decode_why_not, q, k, k) == "pallas"
-  assert attention._choose("rope_attention", None, attention._rope_why_not, q, k, k, plain=False,
-                           local_window=None) == "pallas"
+  assert attention._choose("rope_attention", None, attention._rope_why_not, q, k, k,
+                           local_window=None, segment_ids=False) == "pallas"
   assert attention._choose("pope_attention", None, attention._pope_why_not, q, k, k,
-                           multiplier=None, key_mask=jnp.ones((1, 8192), bool)) == "pallas"
+                           segment_ids=False) == "pallas"
 
 
 @pytest.mark.parametrize("encoding, keys", [("rope", "mapped"), ("pope", "mapped"),

@@ -239,25 +239,23 @@ def test_default_implementation_picks_the_kernel_only_where_it_runs(monkeypatch)
     def __init__(self, platform, capability):
       self.platform, self.compute_capability = platform, capability
   q16 = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
-  pick = lambda q, k, v, multiplier, key_mask, segment_ids=False: attention._choose(
-      "pope_attention", None, attention._pope_why_not, q, k, v, multiplier=multiplier,
-      key_mask=key_mask, segment_ids=segment_ids)
-  assert pick(q16, q16, q16, None, None) == "xla"                         # CPU
+  pick = lambda q, k, v, segment_ids=False: attention._choose(
+      "pope_attention", None, attention._pope_why_not, q, k, v, segment_ids=segment_ids)
+  assert pick(q16, q16, q16) == "xla"                                     # CPU
   monkeypatch.setattr(jax, "devices", lambda: [FakeDevice("gpu", "9.0")])
   assert kernel.platform_reason() is None
-  assert pick(q16, q16, q16, None, None) == "pallas"
-  assert pick(q16, q16, q16.astype(jnp.float32), None, None) == "xla"     # mixed dtypes
-  assert pick(q16.astype(jnp.float32), q16, q16, None, None) == "xla"     # float32
-  assert pick(q16, q16, q16, 0.5, None) == "cudnn"                        # multiplier
-  assert pick(q16, q16, q16, None, jnp.ones((1, 8), bool)) == "cudnn"     # key_mask
-  assert pick(q16, q16, q16, None, None, True) == "cudnn"                 # segment ids
+  assert pick(q16, q16, q16) == "pallas"            # masks and multipliers run in the kernel
+  assert pick(q16, q16, q16, True) == "pallas"                            # segment ids
+  assert pick(q16, q16, q16.astype(jnp.float32)) == "xla"                 # mixed dtypes
+  assert pick(q16.astype(jnp.float32), q16, q16) == "xla"                 # float32
+  assert pick(q16[:, :1], q16, q16, True) == "cudnn"     # decoding: the split-K kernel has no ids
   monkeypatch.setattr(jax, "devices", lambda: [FakeDevice("gpu", "8.0")])
-  assert pick(q16, q16, q16, None, None) == "cudnn"                       # not Hopper: 2H = 128
-  assert pick(q16, q16, q16.astype(jnp.float32), None, None) == "xla"     # mixed dtypes
+  assert pick(q16, q16, q16) == "cudnn"                                   # not Hopper: 2H = 128
+  assert pick(q16, q16, q16.astype(jnp.float32)) == "xla"                 # mixed dtypes
   q128 = jnp.zeros((1, 8, 2, 128), jnp.bfloat16)
-  assert pick(q128, q128, q128, None, None) == "xla"                      # 2H = 256 > 128
+  assert pick(q128, q128, q128) == "xla"                                  # 2H = 256 > 128
   monkeypatch.setattr(jax, "devices", lambda: [FakeDevice("gpu", "7.5")])
-  assert pick(q16, q16, q16, None, None) == "xla"                         # before sm80
+  assert pick(q16, q16, q16) == "xla"                                     # before sm80
 
 
 @pytest.mark.parametrize("fn, impl, match", [

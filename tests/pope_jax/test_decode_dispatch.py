@@ -54,11 +54,9 @@ def test_default_picks_the_decoding_kernel_only_for_decoding_on_hopper(monkeypat
   monkeypatch.setattr(jax, "devices", lambda: [FakeDevice()])
   assert choose("decode", attention._decode_why_not, q, k, v) == "pallas"
   assert choose("rope", attention._rope_why_not, q, k, v, **rope) == "pallas"
-  assert choose("pope", attention._pope_why_not, q, k, v, multiplier=0.5,
-                key_mask=mask, segment_ids=False) == "pallas"
+  assert choose("pope", attention._pope_why_not, q, k, v, segment_ids=False) == "pallas"
   q17 = jnp.zeros((2, 17, 4, 64), jnp.bfloat16)                   # prefill: not decoding
-  assert choose("pope", attention._pope_why_not, q17, k, v, multiplier=None,
-                key_mask=mask, segment_ids=False) == "cudnn"
+  assert choose("pope", attention._pope_why_not, q17, k, v, segment_ids=False) == "pallas"
   assert choose("rope", attention._rope_why_not, q, k, v, local_window=8,
                 segment_ids=False) == "cudnn"                       # no window in the kernel
   assert choose("decode", attention._decode_why_not, q.astype(jnp.float32), k, v) == "xla"
