@@ -26,8 +26,10 @@ output sum with respect to q, k, v and δ. Before timing, each row's output and 
 small shape (same H, GQA and mask) are compared with a float32 reference that computes the PoPE
 scores directly (max |error| / max |reference|).
 
-  python3 experiments/bench_attention_torch.py --out torch.json
-  python3 experiments/bench_attention_torch.py --device cpu --shapes tiny  # smoke test
+  python -m experiments.bench_attention_torch --out torch.json
+  python -m experiments.bench_attention_torch --device cpu --shapes tiny  # smoke test
+(`python3 experiments/bench_attention_torch.py` runs it too: it imports only the standard library
+until `main` imports torch.)
 """
 
 from __future__ import annotations
@@ -129,8 +131,10 @@ def pope_sdpa(q, k, v, delta, key_mask=None):
   import torch.nn.functional as F
   if key_mask is not None:
     raise ValueError("pope_sdpa: key_mask is not benchmarked for this path")
-  h, t_len, s_len = q.shape[-1], q.shape[1], k.shape[1]
-  q_ang = _angles(s_len, h, q.device)[s_len - t_len:][None] - _clamp(delta)[:, None, :]
+  h, s_len = q.shape[-1], k.shape[1]
+  if q.shape[1] != s_len:  # SDPA's is_causal aligns the query and key starts
+    raise ValueError(f"pope_sdpa: query length {q.shape[1]} must equal key length {s_len}")
+  q_ang = _angles(s_len, h, q.device)[None] - _clamp(delta)[:, None, :]
   qe = _cartesian(q, q_ang)
   ke = _cartesian(k, _angles(s_len, h, k.device)[None])
   vp = F.pad(v, (0, 2 * h - v.shape[-1])).transpose(1, 2)  # [B, K, S, 2H]
@@ -259,7 +263,7 @@ def measure(name: str, shape: Shape, device, dtype, opts) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
-      prog="bench_attention_torch", description=__doc__,
+      prog="python -m experiments.bench_attention_torch", description=__doc__,
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--out", default="bench_attention_torch.json", help="JSON results file")
   parser.add_argument("--shapes", default=DEFAULT_SHAPES,
