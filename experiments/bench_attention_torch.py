@@ -21,8 +21,9 @@ _gqa shapes are the same with K = 4 kv heads. FLOPs as `AttentionShape.forward_f
 forward causal = 2·B·N·T·S·(2H + V)/2, forward+backward counted as 2.5× the forward.
 Timing: CUDA events around each call after warm-up calls (which also run the Triton kernels'
 autotuning); the median over at least --iters calls and enough to last --min-ms (at most
---max-iters). fwd runs under `torch.no_grad`; fwd+bwd is `torch.autograd.grad` of the float32
-output sum with respect to q, k, v and δ. Before timing, each row's output and gradients on a
+--max-iters), so slow calls (pope-pytorch's backward at H128) get few. fwd runs under
+`torch.no_grad`; fwd+bwd is `torch.autograd.grad` of the float32 output sum with respect to q,
+k, v and δ. Before timing, each row's output and gradients on a
 small shape (same H, GQA and mask) are compared with a float32 reference that computes the PoPE
 scores directly (max |error| / max |reference|).
 
@@ -108,7 +109,9 @@ def pope_triton(q, k, v, delta, key_mask=None):
   GQA: k and v are repeated to N heads here, query head n reading kv head n // (N / K) as in
   `jax.nn.dot_product_attention` and SDPA's `enable_gqa` (the library's own repeat, also a copy,
   pairs query head n with kv head n mod K)."""
-  from PoPE_pytorch import flash_attn_with_pope
+  from PoPE_pytorch import attention, flash_attn_with_pope
+  if not attention.TRITON_AVAILABLE:
+    raise RuntimeError("pope-pytorch's Triton kernel did not import (is triton installed?)")
   freqs = _angles(k.shape[1], q.shape[-1], q.device)  # [S, H]; the kernel offsets the queries
   groups = q.shape[2] // k.shape[2]
   k, v = (x.repeat_interleave(groups, dim=2) if groups > 1 else x for x in (k, v))
@@ -271,7 +274,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--rows", default=",".join(ROWS),
                       help=f"comma-separated, of: {', '.join(ROWS)}")
   parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-  parser.add_argument("--iters", type=int, default=10, help="least timed calls per measurement")
+  parser.add_argument("--iters", type=int, default=3, help="least timed calls per measurement")
   parser.add_argument("--max-iters", type=int, default=100, help="most timed calls")
   parser.add_argument("--min-ms", type=float, default=300.0,
                       help="timed calls per measurement last at least this long (estimated)")
