@@ -194,8 +194,10 @@ def _grads(fn, args, key_mask):
 
 def check(fn, masked: bool, shape: Shape, device, dtype) -> dict:
   """max |error| / max |reference| of the output and of the worst of dq, dk, dv, dδ on a small
-  shape like `shape` (B2 T=S=300), against `pope_reference` on the same inputs in float32."""
-  small = dataclasses.replace(shape, batch=2, q_len=300, k_len=300,
+  shape like `shape` (B2 T=S=256, N4), against `pope_reference` on the same inputs in float32.
+  The lengths are multiples of the Triton kernels' tiles, as the benchmark's: the kernels it
+  compiles (one per autotuning candidate) are those the benchmark runs."""
+  small = dataclasses.replace(shape, batch=2, q_len=256, k_len=256,
                               num_heads=4, num_kv_heads=4 * shape.num_kv_heads
                               // shape.num_heads)
   args = random_inputs(small, device, dtype, seed=1)
