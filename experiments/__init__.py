@@ -27,6 +27,8 @@ PoPE (`pope_jax`):
   score_bounds         — how many query tiles the fused kernel's magnitude bound covers.
 Kernel (`pallas_kernels`, GPU):
   bench_attention      — the fused Pallas PoPE attention kernel against the best XLA/cuDNN paths.
+  bench_attention_torch — (optional, torch) pope-pytorch's Triton kernel and torch expansion +
+                         SDPA on the same shapes.
   trace_attention      — where the fused forward kernel spends its time, per warpgroup.
   bench_dq_reduce      — the float32 dq adds of a fused backward, timed alone.
   bench_masked         — the fused kernel with padding, packing and multipliers against unmasked.
