@@ -50,6 +50,11 @@ def pope_cudnn(q, k, v, delta, cartesian=encodings.pope_cartesian):
   return out[..., :v.shape[-1]]
 
 
+def pope_library_cudnn(q, k, v, delta):
+  """`pope_attention(implementation="cudnn")`: the library's expansion + cuDNN path."""
+  return attention.pope_attention(q, k, v, delta, is_causal=True, implementation="cudnn")
+
+
 def pope_tokamax(q, k, v, delta, cartesian=encodings.pope_cartesian):
   import tokamax  # Only on machines where it is installed.
   qe, ke = _expand(q, k, delta, cartesian=cartesian)
@@ -60,7 +65,7 @@ def pope_tokamax(q, k, v, delta, cartesian=encodings.pope_cartesian):
 TOKAMAX = "expand + tokamax mosaic"
 TOKAMAX_AUTOTUNED = "expand + tokamax (autotuned)"
 BASELINES = {  # name: (function, needs tokamax); every row's /best is to the fastest of these.
-    "expand + cuDNN": (pope_cudnn, False),
+    "expand + cuDNN": (pope_library_cudnn, False),
     TOKAMAX: (pope_tokamax, True),
     "concat expand + cuDNN": (functools.partial(pope_cudnn, cartesian=_concat_cartesian), False),
     "concat expand + tokamax": (functools.partial(pope_tokamax, cartesian=_concat_cartesian),
