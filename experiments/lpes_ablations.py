@@ -15,8 +15,8 @@ their held-out accuracy, mean ± sd) per difficulty. With --moice-routers (the -
 --resume with --moice-routers adds it to a run made without, running only MoICE's evaluations.
 
 --reuse-record DIR starts --out from a finished run's record (its config.json, results.json with
-the per-example scores, and search/<method>_seed<s>.json, as docs/raw/lpes/ablations keeps
-them) and resumes it: with --moice-routers only MoICE is evaluated, on the same held-out examples,
+the per-example scores, and search.json, {"<method>_seed<s>": a search's results}; either may be
+gzip-compressed, as docs/raw/lpes/ablations keeps them) and resumes it: with --moice-routers only MoICE is evaluated, on the same held-out examples,
 and its intervals and gains over base come out beside the recorded rows. Give the record's
 settings (its config.json, --model path included).
 """
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
 import os
 import platform
@@ -116,9 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--no-progress", action="store_true", help="hide the search progress bars")
   p.add_argument("--reuse-record", type=common.existing_path, default=None,
                  help="a finished run's recorded folder (config.json, results.json, "
-                      "search/<method>_seed<s>.json) to start --out from and resume (default: "
-                      "none)")
+                      "search.json) to start --out from and resume (default: none)")
   return p
+
+
+def _read_json(path: str):
+  """A record's JSON file, read from `path` or, where the record stores it compressed, from
+  `path`.gz."""
+  if not os.path.exists(path) and os.path.exists(path + ".gz"):
+    with gzip.open(path + ".gz", "rt") as f:
+      return json.load(f)
+  with open(path) as f:
+    return json.load(f)
 
 
 def seed_from_record(record_dir: str, out: str) -> None:
@@ -132,15 +142,14 @@ def seed_from_record(record_dir: str, out: str) -> None:
   if os.path.exists(os.path.join(out, CONFIG_FILE)):
     raise FileExistsError(f"--out {out} already holds an ablation run; --reuse-record starts a "
                           f"fresh folder")
-  with open(os.path.join(record_dir, "results.json")) as f:
-    record = json.load(f)
-  with open(os.path.join(record_dir, CONFIG_FILE)) as f:
-    settings = json.load(f)
+  record = _read_json(os.path.join(record_dir, "results.json"))
+  settings = _read_json(os.path.join(record_dir, CONFIG_FILE))
+  searches = _read_json(os.path.join(record_dir, "search.json"))     # {"<method>_seed<s>": ...}
   methods = [m for m in settings["methods"].split(",") if m]
   for m in methods:
     for s in settings["search_seeds"]:
-      with open(os.path.join(record_dir, "search", f"{m}_seed{s}.json")) as f:
-        atomic.write_json(ablation._search_dir(out, m, s, search.RESULTS_FILE), json.load(f))
+      atomic.write_json(ablation._search_dir(out, m, s, search.RESULTS_FILE),
+                        searches[f"{m}_seed{s}"])
   searched = {f"{m}/seed{s}" for m in methods for s in settings["search_seeds"]}
   for pairs, by_seed in record["scores"].items():
     for h, by_label in by_seed.items():

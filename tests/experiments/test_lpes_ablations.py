@@ -183,11 +183,11 @@ def test_reuse_record_evaluates_only_moice_on_the_recorded_examples(tmp_path, ca
           "3", "--transfer-pairs", "0", "--no-progress"]
   lpes_ablations.main(argv + ["--out", str(first)])
   record = tmp_path / "record"                   # Kept as docs/raw/lpes/ablations keeps a run.
-  (record / "search").mkdir(parents=True)
+  record.mkdir()
   for name in ("config.json", "results.json"):
     (record / name).write_text((first / name).read_text())
-  (record / "search" / "bezier_seed0.json").write_text(
-      (first / "search/bezier/seed0/results.json").read_text())
+  (record / "search.json").write_text(json.dumps(
+      {"bezier_seed0": json.loads((first / "search/bezier/seed0/results.json").read_text())}))
   routers = _smoke_routers(tmp_path / "routers", 4)
   capsys.readouterr()
   out = tmp_path / "again"
@@ -208,7 +208,7 @@ def test_the_recorded_h100_run_seeds_a_run_folder(tmp_path):
   from pathlib import Path
   record = Path(__file__).resolve().parents[2] / "docs/raw/lpes/ablations"
   lpes_ablations.seed_from_record(str(record), str(tmp_path))
-  scores = json.loads((record / "results.json").read_text())["scores"]
+  scores = lpes_ablations._read_json(str(record / "results.json"))["scores"]
   base = json.loads((tmp_path / "eval/pairs10/seed4/base.json").read_text())
   assert base == {"base": scores["10"]["4"]["base"]}
   searched = json.loads((tmp_path / "eval/pairs6/seed3/searched.json").read_text())
