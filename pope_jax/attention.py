@@ -373,15 +373,42 @@ def _decode_why_not(implementation, q, k, v) -> str | None:
 def _decode_pallas(q, k, v, *, scale, masking: _Masking) -> Array:
   """The split-K decoding kernel on mapped q, k with the call's key_mask and, when causal, its
   positions (segment ids and windows are refused by the why_nots)."""
-  from pallas_kernels import decode_attention as kernel  # Lazy: GPU-only dependency chain.
   b, t, s = q.shape[0], q.shape[1], k.shape[1]
   key_mask = jnp.ones((b, s), bool) if masking.key_mask is None else masking.key_mask
   q_pos = k_pos = None
   if masking.is_causal:
     q_pos = jnp.broadcast_to(jnp.asarray(masking.q_positions, jnp.int32), (b, t))
     k_pos = jnp.broadcast_to(jnp.asarray(masking.k_positions, jnp.int32), (b, s))
+  return _decode_kernel(q, k, v, key_mask, q_pos, k_pos, scale)
+
+
+def _decode_reference(q, k, v, key_mask, q_pos, k_pos, scale):
+  mask = (key_mask[:, None, :] if q_pos is None else positions.attention_mask(
+      q_pos, k_pos, is_causal=True, k_valid=key_mask))
+  return dot_product_attention_reference(q, k, v, scale=scale, mask=mask).astype(q.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _decode_kernel(q, k, v, key_mask, q_pos, k_pos, scale):
+  """`pallas_kernels.decode_attention`, forward only; its VJP is the reference's ([B, N, T, S]
+  scores, small at T <= 16), so a decoding call can still be differentiated."""
+  from pallas_kernels import decode_attention as kernel  # Lazy: GPU-only dependency chain.
   return kernel.decode_attention(q, k, v, scale=scale, key_mask=key_mask, q_positions=q_pos,
                                  k_positions=k_pos)
+
+
+def _decode_kernel_fwd(q, k, v, key_mask, q_pos, k_pos, scale):
+  return _decode_kernel(q, k, v, key_mask, q_pos, k_pos, scale), (q, k, v, key_mask, q_pos, k_pos)
+
+
+def _decode_kernel_bwd(scale, res, d_out):
+  q, k, v, key_mask, q_pos, k_pos = res
+  _, vjp = jax.vjp(lambda q, k, v: _decode_reference(q, k, v, key_mask, q_pos, k_pos, scale),
+                   q, k, v)
+  return (*vjp(d_out), None, None, None)
+
+
+_decode_kernel.defvjp(_decode_kernel_fwd, _decode_kernel_bwd)
 
 
 def _mapped_shape(x: Array, width: int) -> jax.ShapeDtypeStruct:
