@@ -164,7 +164,7 @@ def _decode_case(t_len, s_len, seed=0):
 
 
 @pytest.mark.parametrize("t_len, s_len", [
-    (1, 300), (7, 7),
+    (1, 300), pytest.param(7, 7, marks=pytest.mark.slow),
     pytest.param(1, 1, marks=pytest.mark.slow), pytest.param(7, 259, marks=pytest.mark.slow)])
 def test_decode_shapes(t_len, s_len):
   problem, key_mask, segments = _decode_case(t_len, s_len)
@@ -258,6 +258,7 @@ def test_bad_masks_raise(change, match):
     kernel.pope_attention(q, k, k, **kw)
 
 
+@pytest.mark.slow
 def test_traced_masks_match_concrete_ones():
   # Under jit (masks from the data, as in training) the visit tables are computed in the call.
   q, k, v, delta, _ = _problem(FAMILY, 50, 130, 5)
