@@ -177,6 +177,7 @@ def test_multiplier_sets_decode_as_the_named_methods():
   assert set(scores) == {"0", "1", "2"} and scores["1"].shape == (2, 3)
 
 
+@pytest.mark.slow
 def test_reuse_record_evaluates_only_moice_on_the_recorded_examples(tmp_path, capsys):
   first = tmp_path / "first"
   argv = ["--preset", "smoke", "--methods", "bezier", "--search-seeds", "0", "--heldout-seeds",

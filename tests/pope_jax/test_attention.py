@@ -124,7 +124,9 @@ def test_rope_gradients_match_finite_differences():
               order=1, modes=("rev",), eps=1e-2, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("n, k, causal", [(4, 2, True), (2, 2, False), (4, 1, True)])
+@pytest.mark.parametrize("n, k, causal", [
+    (4, 2, True), pytest.param(2, 2, False, marks=pytest.mark.slow),
+    pytest.param(4, 1, True, marks=pytest.mark.slow)])
 def test_rope_cudnn_path_matches_xla_reference(monkeypatch, n, k, causal):
   """The "cudnn" branch (rotation, then jax.nn's fused op with its own causal mask), run on CPU
   through jax.nn's XLA backend, equals the reference in value and gradient (bf16 inputs)."""
