@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import config as jax_config
 from jax._src.pallas.mosaic_gpu import core as pallas_mgpu_core
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -341,3 +342,17 @@ def softplus(x):
   for c in reversed(_LOG1P_COEFFS[:-1]):
     poly = poly * e + c
   return jnp.maximum(x, 0.0) + poly * e
+
+
+def hopper_reason(kernel: str) -> str | None:
+  """Why `kernel` cannot run here, or None: Hopper GPUs (sm90) and the Mosaic GPU interpreter
+  (`plgpu.force_gpu_interpret_mode()`) run the kernels of this package."""
+  # The interpreter switch has no public getter; read the config it sets.
+  if jax_config.pallas_tpu_interpret_mode_context_manager.value is not None:
+    return None
+  device = jax.devices()[0]
+  capability = str(getattr(device, "compute_capability", "") or "")
+  if device.platform == "gpu" and capability.startswith("9."):
+    return None
+  where = f"{device.platform!r} {capability}".rstrip()
+  return f"{kernel} runs on NVIDIA Hopper GPUs (sm90), not on {where}"

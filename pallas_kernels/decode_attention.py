@@ -32,7 +32,6 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import config as jax_config
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -77,16 +76,8 @@ class DecodeConfig:
 
 
 def platform_reason() -> str | None:
-  """Why the kernel cannot run here, or None: Hopper GPUs (sm90) and the Mosaic GPU
-  interpreter (`plgpu.force_gpu_interpret_mode()`) run it."""
-  if jax_config.pallas_tpu_interpret_mode_context_manager.value is not None:
-    return None
-  device = jax.devices()[0]
-  capability = str(getattr(device, "compute_capability", "") or "")
-  if device.platform == "gpu" and capability.startswith("9."):
-    return None
-  where = f"{device.platform!r} {capability}".rstrip()
-  return f"the pallas decoding kernel runs on NVIDIA Hopper GPUs (sm90), not on {where}"
+  """Why the kernel cannot run here, or None (`_streaming.hopper_reason`)."""
+  return st.hopper_reason("the pallas decoding kernel")
 
 
 def unsupported_reason(q, k, v) -> str | None:

@@ -20,7 +20,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import config as jax_config
 
 from pallas_kernels import _streaming as st
 from pallas_kernels.pope_attention_bwd import pope_attention_dkv, pope_attention_dq
@@ -71,18 +70,10 @@ def _mismatch(q, k, v) -> str | None:
 
 
 def platform_reason() -> str | None:
-  """Why the kernel cannot run here, or None: Hopper GPUs (sm90) and the Mosaic GPU
-  interpreter (`plgpu.force_gpu_interpret_mode()`) run it."""
-  # The interpreter switch has no public getter; read the config it sets.
-  if jax_config.pallas_tpu_interpret_mode_context_manager.value is not None:
-    return None
-  device = jax.devices()[0]
-  capability = str(getattr(device, "compute_capability", "") or "")
-  if device.platform == "gpu" and capability.startswith("9."):
-    return None
-  where = f"{device.platform!r} {capability}".rstrip()
-  return (f"pallas PoPE attention runs on NVIDIA Hopper GPUs (sm90), not on {where}; use "
-          f"implementation='xla' or None (or plgpu.force_gpu_interpret_mode() for tests)")
+  """Why the kernel cannot run here, or None (`_streaming.hopper_reason`)."""
+  reason = st.hopper_reason("pallas PoPE attention")
+  return reason and (f"{reason}; use implementation='xla' or None (or "
+                     f"plgpu.force_gpu_interpret_mode() for tests)")
 
 
 def _pad_to(x, length: int, axis: int, value=0):
