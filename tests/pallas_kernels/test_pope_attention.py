@@ -482,7 +482,7 @@ def test_persistent_launch_over_tiles(head_dim, is_causal):
   freqs = encodings.pope_frequencies(head_dim)
   positions = kernel._positions(q_pos, jnp.arange(330), freqs, freqs, None, None, batch=1,
                                 t_len=300, s_len=330, is_causal=is_causal, plan=plan)
-  tables = kernel._prepare(q, k, v, delta, positions, is_causal=is_causal, plan=plan)[-1]
+  *_, tables, _ = kernel._prepare(q, k, v, delta, positions, is_causal=is_causal, plan=plan)
   for _, schedule in tables:
     assert np.asarray(schedule)[:, 0].max() == 1
 
