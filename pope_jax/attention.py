@@ -245,10 +245,8 @@ def _pope_pallas(q, k, v, delta, *, base, masking, scale, multiplier, block_size
                           masking=masking)
   from pallas_kernels import pope_attention as kernel  # Lazy: GPU-only dependency chain.
   with jax.ensure_compile_time_eval():  # concrete θ: the kernel's tables stay trace-time constants
-    freqs = encodings.pope_frequencies(q.shape[-1], base)
-    if multiplier is not None:       # θ·multiplier: [H], or [N, H] per query head
-      m = jnp.asarray(multiplier, jnp.float32)
-      freqs = freqs * m if m.ndim == 0 else m[:, None] * freqs
+    freqs = encodings.scale_frequencies(encodings.pope_frequencies(q.shape[-1], base),
+                                        multiplier)           # [H], or [N, H] per query head
   return kernel.pope_attention(
       q, k, v, None if delta is None else encodings.clamp_phase_bias(delta), frequencies=freqs,
       is_causal=masking.is_causal, q_positions=masking.q_positions,

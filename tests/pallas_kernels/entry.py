@@ -2,6 +2,8 @@
 positions checked and defaulted by `pope_jax.positions`, θ (times a multiplier) and the clamped δ
 from the encodings."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -22,3 +24,16 @@ def kernel_attention(q, k, v, delta=None, *, base=10000.0, q_positions=None, k_p
   return kernel.pope_attention(q, k, v, delta, frequencies=freqs, q_positions=q_pos,
                                k_positions=k_pos, cartesian_map=encodings.polar_to_cartesian,
                                **kw)
+
+
+def problem(family, t_len, s_len, seed):
+  """Random bf16 q, k, v, float32 δ in [-2π, 0] and a float32 output cotangent for family
+  (B, N, K, H) at T = t_len, S = s_len."""
+  b, n, kh, h = family
+  ks = jax.random.split(jax.random.key(seed), 5)
+  q = jax.random.normal(ks[0], (b, t_len, n, h), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(ks[1], (b, s_len, kh, h), jnp.float32).astype(jnp.bfloat16)
+  v = jax.random.normal(ks[2], (b, s_len, kh, h), jnp.float32).astype(jnp.bfloat16)
+  delta = jax.random.uniform(ks[3], (n, h), jnp.float32, -2 * math.pi, 0.0)
+  cot = jax.random.normal(ks[4], (b, t_len, n, h), jnp.float32)
+  return q, k, v, delta, cot

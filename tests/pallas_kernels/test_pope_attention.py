@@ -26,6 +26,7 @@ from pallas_kernels.shapes import CHECK_TOLERANCES, SHAPES, random_inputs
 from pallas_kernels.pope_attention_fwd import (TABLE_DTYPE, cartesian_halves,
                                                cartesian_halves_from_tables, plan_forward)
 from pope_jax import attention, encodings, positions
+from tests.pallas_kernels import entry
 from tests.pallas_kernels.entry import kernel_attention
 
 # The Mosaic GPU interpreter can deadlock on a 2-core machine (its warpgroups run as threads);
@@ -43,15 +44,7 @@ ATOL = 1e-2
 TOL = 2.5e-2  # bf16 inputs and probabilities; relative to the largest reference entry
 
 
-def _problem(family, t_len, s_len, seed):
-  b, n, kh, h = family
-  ks = jax.random.split(jax.random.key(seed), 5)
-  q = jax.random.normal(ks[0], (b, t_len, n, h), jnp.float32).astype(jnp.bfloat16)
-  k = jax.random.normal(ks[1], (b, s_len, kh, h), jnp.float32).astype(jnp.bfloat16)
-  v = jax.random.normal(ks[2], (b, s_len, kh, h), jnp.float32).astype(jnp.bfloat16)
-  delta = jax.random.uniform(ks[3], (n, h), jnp.float32, -2 * math.pi, 0.0)
-  cot = jax.random.normal(ks[4], (b, t_len, n, h), jnp.float32)
-  return q, k, v, delta, cot
+_problem = entry.problem
 
 
 def _value_and_grads(impl, q, k, v, delta, cot, **kw):

@@ -8,7 +8,6 @@ draws cross tile boundaries and skip whole tiles while every draw of a test shar
 shape (the kernels' compilations are reused; CI time).
 """
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ from pallas_kernels import _streaming
 from pallas_kernels import pope_attention as kernel
 from pallas_kernels.pope_attention_config import BlockSizes
 from pope_jax import attention, encodings
+from tests.pallas_kernels import entry
 from tests.pallas_kernels.entry import kernel_attention
 from tests.pallas_kernels.masks import reference
 
@@ -35,15 +35,7 @@ ATOL = 1e-2
 TOL = 2.5e-2  # bf16 inputs and probabilities; relative to the largest reference entry
 
 
-def _problem(family, t_len, s_len, seed):
-  b, n, kh, h = family
-  ks = jax.random.split(jax.random.key(seed), 5)
-  q = jax.random.normal(ks[0], (b, t_len, n, h), jnp.float32).astype(jnp.bfloat16)
-  k = jax.random.normal(ks[1], (b, s_len, kh, h), jnp.float32).astype(jnp.bfloat16)
-  v = jax.random.normal(ks[2], (b, s_len, kh, h), jnp.float32).astype(jnp.bfloat16)
-  delta = jax.random.uniform(ks[3], (n, h), jnp.float32, -2 * math.pi, 0.0)
-  cot = jax.random.normal(ks[4], (b, t_len, n, h), jnp.float32)
-  return q, k, v, delta, cot
+_problem = entry.problem
 
 
 def _value_and_grads(fn, q, k, v, delta, cot):
