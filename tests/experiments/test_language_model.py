@@ -51,6 +51,7 @@ def test_language_model_smoke(lm_out):
   assert (lm_out / "loss.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # trains the module's run (lm_out), as the smoke test does
 def test_language_model_seeds_have_own_folders_and_mean_sd(lm_out):
   results = json.loads((lm_out / "results.json").read_text())
   for enc in ("rope", "pope"):

@@ -30,7 +30,8 @@ def _hidden(params, tokens, m, kv_cache=None):
   return out, jnp.stack(state["intermediates"]["hidden_states"])        # [L+1, B, T, D]
 
 
-@pytest.mark.parametrize("mult", MULTIPLIERS)
+@pytest.mark.parametrize("mult", [  # the fast tier keeps the plain model
+    pytest.param(m, marks=() if m == "none" else pytest.mark.slow) for m in MULTIPLIERS])
 def test_kv_cache_equivalences(params, mult):
   m = MULTIPLIERS[mult]
   tokens = jax.random.randint(jax.random.key(1), (2, 11), 0, CFG.vocab_size)
@@ -47,6 +48,7 @@ def test_kv_cache_equivalences(params, mult):
     np.testing.assert_allclose(jnp.concatenate(hs, 2), full_h, atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow  # fast-tier sibling: test_llama_inputs.test_traced_multipliers_run_under_jit_and_vmap
 def test_multipliers_change_logits_and_vmap(params):
   model = Llama(CFG)
   tokens = jax.random.randint(jax.random.key(2), (1, 9), 0, CFG.vocab_size)
@@ -154,6 +156,7 @@ def test_kv_cache_overflow_is_an_error(params):
     model.apply({"params": params}, jnp.ones((1, 4), jnp.int32), kv_cache=cache)
 
 
+@pytest.mark.slow  # the fast tier checks the cuDNN branch per mask form in tests/pope_jax/test_attention.py
 def test_cudnn_implementation_matches_xla(params, monkeypatch):
   """"cudnn" (rotation, then jax.nn's fused op: its own causal mask for plain prefill, the
   positions' boolean mask for padded and cached calls; run here by its XLA backend) gives "xla"'s

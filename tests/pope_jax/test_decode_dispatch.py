@@ -62,6 +62,8 @@ def test_default_picks_the_decoding_kernel_only_for_decoding_on_hopper(monkeypat
   assert choose("decode", attention._decode_why_not, q.astype(jnp.float32), k, v) == "xla"
 
 
+@pytest.mark.flaky(reruns=2)  # an interpreted run that stops is ended and rerun
+@pytest.mark.timeout(300)
 @pytest.mark.slow
 @pytest.mark.parametrize("encoding", ["pope", "rope"])
 def test_ops_decode_through_the_kernel(encoding):

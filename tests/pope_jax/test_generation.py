@@ -189,6 +189,8 @@ def test_decode_scan_and_loop_agree_and_report_progress():
   assert sorted(seen) == [0, 1, 2, 3] and np.all(np.asarray(lengths) == 4)
 
 
+@pytest.mark.flaky(reruns=2)  # an interpreted run that stops is ended and rerun
+@pytest.mark.timeout(300)
 @pytest.mark.slow
 @pytest.mark.parametrize("encoding,keys", [("pope", "mapped"), ("rope", "mapped"),
                                            ("pope", "raw")])
