@@ -1,7 +1,12 @@
-"""Test set-up: the repository root on sys.path, float32 matmuls at full precision on CPU, and
-XLA:CPU's concurrency-optimised scheduler off: with it, the Mosaic GPU interpreter can start one
-warpgroup's blocking barrier waits before the others on a 2-core machine and hang (see
-pallas_kernels/pope_attention_fwd.py)."""
+"""Test set-up: the repository root on sys.path, float32 matmuls at full precision on CPU, and two
+XLA:CPU settings that the Mosaic GPU interpreter needs on a machine with few cores:
+- the concurrency-optimised scheduler off: with it, the interpreter can start one warpgroup's
+  blocking barrier waits before the others and hang (see pallas_kernels/pope_attention_fwd.py);
+- asynchronous dispatch off: the interpreter runs a kernel inside a host callback that itself
+  dispatches JAX ops (`thread_map`). With dispatch asynchronous, the test's main thread can
+  enqueue the next op, which waits for the kernel's outputs, ahead of the callback's own op,
+  and both wait forever (caught with py-spy in a two-worker run: the main thread in an eager
+  `jnp.cos` of the backward pass, the callback thread in `jnp.int32` of `thread_map`)."""
 
 import os
 import sys
@@ -14,3 +19,4 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 jax.config.update("jax_default_matmul_precision", "highest")
+jax.config.update("jax_cpu_enable_async_dispatch", False)

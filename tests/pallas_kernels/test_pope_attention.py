@@ -29,11 +29,10 @@ from pope_jax import attention, encodings, positions
 from tests.pallas_kernels import entry
 from tests.pallas_kernels.entry import kernel_attention
 
-# The Mosaic GPU interpreter can deadlock on a 2-core machine (its warpgroups run as threads);
-# the same inputs pass on a rerun. A test that stops making progress is ended (pytest-timeout) and run again in a
-# fresh worker (pytest-rerunfailures); a real failure still fails, after three tries. The
-# timeout is about four times the slowest of these tests on 2 cores (33 s), so a hang costs CI
-# two minutes rather than five.
+# The interpreter's known hangs on few cores are avoided in tests/conftest.py. As a backstop, a
+# test that stops making progress is ended (pytest-timeout) and run again in a fresh worker
+# (pytest-rerunfailures); a real failure still fails, after three tries. The timeout is about
+# four times the slowest of these tests on 2 cores (33 s).
 pytestmark = [pytest.mark.timeout(120, method="thread"), pytest.mark.flaky(reruns=2)]
 
 # (B, N, K, H): kernel-shape families; lengths vary freely inside each. GQA with two kv heads
