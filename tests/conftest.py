@@ -4,9 +4,8 @@ XLA:CPU settings that the Mosaic GPU interpreter needs on a machine with few cor
   blocking barrier waits before the others and hang (see pallas_kernels/pope_attention_fwd.py);
 - asynchronous dispatch off: the interpreter runs a kernel inside a host callback that itself
   dispatches JAX ops (`thread_map`). With dispatch asynchronous, the test's main thread can
-  enqueue the next op, which waits for the kernel's outputs, ahead of the callback's own op,
-  and both wait forever (caught with py-spy in a two-worker run: the main thread in an eager
-  `jnp.cos` of the backward pass, the callback thread in `jnp.int32` of `thread_map`)."""
+  enqueue the next op (an eager op of an un-jitted backward pass), which waits for the kernel's
+  outputs, ahead of the callback's own op, and both wait forever."""
 
 import os
 import sys
